@@ -50,7 +50,7 @@
 # | [07 inside DDP](07_inside_ddp.ipynb) | hooks that all-reduce as gradients are ready, buckets, the overlap timeline, comm hooks (fp16, bf16, PowerSGD) | hooked and bucketed == DDP; one all-reduce per bucket | the bucketed, hook-driven wrapper |
 # | [08 sharded data parallel](08_sharded_data_parallel.ipynb) | where the memory goes, ZeRO-1/2/3 from scratch, FSDP2, which stage fits | every stage and FSDP2 == DDP; bytes held == the formula | ZeRO-2, overlapped with the backward |
 # | [09 beyond lockstep](09_beyond_lockstep.ipynb) | a parameter server, staleness, local SGD, large batches | sync PS == DDP; τ = 0 == SGD; H = 1 == DDP | the asynchronous worker loop |
-# | [10 bug zoo](10_bug_zoo.ipynb) | eleven broken distributed programs, each run safely with its detector and fix | every detector fires on its bug and stays quiet on the fix | name and fix five bugs |
+# | [10 bug zoo](10_bug_zoo.ipynb) | eleven broken distributed programs, each run safely with its detector and fix | every detector fires on its bug; every fix is proven by a run (most detectors go quiet) | name and fix five bugs |
 # | [11 beyond data parallel](11_beyond_data_parallel.ipynb) | why data parallelism ends (memory at batch 1, the critical batch size); tensor parallel (Megatron's MLP) from scratch and with `parallelize_module`; pipeline parallel (GPipe, the bubble, 1F1B); a 2-D mesh DP × TP; a planner | TP MLP == plain MLP; 2-D mesh == one device; the bubble measured against (K−1)/(M+K−1) | column/row-parallel layers |
 #
 # ## How the labs work
@@ -170,17 +170,17 @@ claim("NCCL is chosen only when every rank can own a GPU",
 # %% [markdown]
 # ## Running many processes from a notebook
 #
-# From lesson 03 on, cells start several processes ("ranks") that work together. Doing that from
+# From lesson 03 on, cells start several processes ("ranks") that work together. They talk
+# through a *process group*: the set of processes that take part in collective operations
+# (such as the `all_reduce` below) together, created by `torch.distributed.init_process_group`
+# (here `spawn` calls it for us) with a backend (gloo or NCCL, as above). Doing that from
 # a notebook has traps — a function defined in a cell cannot normally be sent to another process
 # (below: why, and how `spawn` gets round it), ranks print on top of each other, and a rank that
 # crashes can leave the others waiting: up to the group's timeout (30 minutes by default on
 # gloo), unless the crashed rank's process exits and closes its connections. `dpcourse.launch.spawn` deals with all of them:
 # it returns each rank's result, prints each rank's output after the run with a `[rank k]`
 # prefix, turns a crash in any rank into one error naming it, and stops a hang at a timeout. A
-# first taste — two processes each contribute a number and both receive the sum. The ranks talk
-# through a *process group*: the set of processes that take part in collective operations (such
-# as this `all_reduce`) together, created by `torch.distributed.init_process_group` (here
-# `spawn` calls it for us) with a backend (gloo or NCCL, as above).
+# first taste — two processes each contribute a number and both receive the sum.
 
 # %%
 from dpcourse import launch
@@ -374,26 +374,33 @@ claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors 
 
 # %%
 import datetime
+import tempfile
 import time
 
+import psutil
 
-def rank1_crashes(rank, world_size):
+pid_dir = tempfile.mkdtemp()  # each rank below leaves a file named by its process id
+
+
+def rank1_crashes(rank, world_size, pid_dir):
     import time
 
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
     if rank == 1:
         raise ValueError("rank 1 found a bad batch")
     time.sleep(30)  # rank 0 would be busy much longer than the crash takes to report
 
 
-def never_finishes(rank, world_size):
+def never_finishes(rank, world_size, pid_dir):
     import time
 
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
     time.sleep(600)
 
 
 t0 = time.perf_counter()
 try:
-    launch.spawn(rank1_crashes, 2, timeout=60)
+    launch.spawn(rank1_crashes, 2, pid_dir, timeout=60)
 except launch.RankFailedError as err:
     crash_lines = str(err).splitlines()
 crash_s = time.perf_counter() - t0
@@ -405,7 +412,7 @@ claim("rank 1's error came back as one RankFailedError naming rank 1 and its Val
 
 t0 = time.perf_counter()
 try:
-    launch.spawn(never_finishes, 2, timeout=3)
+    launch.spawn(never_finishes, 2, pid_dir, timeout=3)
 except launch.LaunchTimeoutError as err:
     hang_message = str(err)
 hang_s = time.perf_counter() - t0
@@ -413,6 +420,10 @@ print(hang_message.split(". ")[0] + ".")
 claim("two ranks that never finish were stopped by the 3 s timeout: spawn raised after 3 s or "
       "more and in under 30 s, not after their 600 s",
       "never finished within 3 s" in hang_message and 3 <= hang_s < 30, hang_s=hang_s)
+rank_pids = [int(name) for name in os.listdir(pid_dir)]
+claim("and nothing is left running: none of the 4 rank processes of these two launches exists",
+      len(rank_pids) == 4 and not any(psutil.pid_exists(pid) for pid in rank_pids),
+      pids=rank_pids)
 entry = inspect.getsource(launch.worker_entry)
 claim("a rank that returned stays alive: after sending its result (result_conn.send_bytes), "
       "worker_entry waits for the parent's word that every rank is done "
@@ -455,45 +466,13 @@ viz.show_code(launch.spawn, launch.wait_for_ranks, launch.worker_entry)
 #
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-from dpcourse import viz
+from dpcourse import quizzes, viz
 
-viz.quiz([
-    {"q": "Your machine has one GPU. Which backend do the multi-rank cells that follow the "
-          "profile (lesson 03's core comparison, lesson 04's torchrun scripts) use?",
-     "options": ["gloo", "nccl, with both ranks on the GPU", "nccl on the GPU for rank 0, gloo for rank 1"],
-     "answer": 0,
-     "why": ["Right: with fewer GPUs than ranks the profile falls back to gloo, which runs anywhere.",
-             "By default NCCL refuses two ranks on one GPU (the installed NCCL says \"Multiple "
-             "Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 …\"); "
-             "the course does not lift that default, so each NCCL rank owns its device.",
-             "Every rank of a group passes the same backend string to init_process_group, and "
-             "here there is one GPU for two ranks. (One group may use one backend per device type, e.g. "
-             "\"cpu:gloo,cuda:nccl\"; that is not what this option says.)"]},
-    {"q": "A lab check stops with a LabCheckError. What should you read?",
-     "options": ["The whole traceback, from the bottom up",
-                 "Nothing: re-run the cell until it passes",
-                 "The one-sentence message: it names the mistake"],
-     "answer": 2,
-     "why": ["The traceback is mostly the check's own machinery; the message is written for you.",
-             "The checks are deterministic: the same code gives the same verdict.",
-             "Right: each check recognises the usual mistakes and says which one you made."]},
-    {"q": "Why can `dpcourse.launch.spawn` run a function you defined in a notebook cell, when "
-          "`torch.multiprocessing.spawn` (which starts fresh interpreters) cannot?",
-     "options": ["It runs the function in threads, not processes",
-                 "It sends the function's code itself (cloudpickle) instead of its import path",
-                 "It copies the whole notebook into each process"],
-     "answer": 1,
-     "why": ["The ranks are real processes, as on a cluster.",
-             "Right: plain pickle stores a function by name, and a cell's `__main__` cannot be "
-             "imported by a fresh process; cloudpickle ships the code by value. (Forked "
-             "processes, torch's start_processes(..., start_method='fork'), inherit the cell's "
-             "functions instead, but fork is unsafe once CUDA or threads are running.)",
-             "Only the function (and what it refers to) travels."]},
-])
+viz.quiz(quizzes.questions("00"))
 # %% [markdown]
 # **▶ For maintainers and the curious: where the course has run, and how its outputs are
 # tested** (a folded note: click to open).

@@ -223,8 +223,8 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 # Which of these shapes the rates take here is measured, not assumed; which cause is behind
 # them, these runs do not measure:
 #
-# - **The runs.** The same 512 samples per setting, the batch sizes interleaved, seven rounds,
-#   the median of each. The runs of one round are back to back, in an order shuffled anew each
+# - **The runs.** Batch sizes from 4 (Python's per-step work shared by few samples) to 256,
+#   the same 512 samples per setting, interleaved, seven rounds, the median of each. The runs of one round are back to back, in an order shuffled anew each
 #   round by a seeded generator of its own, so a slow moment that lasts a round hits them all,
 #   and a shorter one does not always fall on the same batch sizes.
 # - **One thread.** The runs use one *intra-op* thread: the threads torch starts to split
@@ -234,15 +234,11 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 #   notebook, a test) taking one core can slow it several-fold while a round's other runs
 #   escape; one thread shares the machine's slow moments more evenly. (A reason for the
 #   setting, not a result: this lesson does not time the neighbour.)
-# - **The verdict.** `train.compare_rates` compares two batch sizes round by round and says
-#   "faster" or "slower" only when one won every round, or all but one (one outlier round does
-#   not decide), and "no clear difference" otherwise (`train.rate_verdict` is that rule). It
-#   prints a sign test's p: how often two equally fast settings would split the rounds so
-#   lopsidedly (all but one of seven: p = 0.125, one noise call in eight). The pair, smallest
-#   and largest batch, is chosen before the run: testing the slowest and fastest after it
-#   would call noise a difference far more often. The same rule judges each step from one
-#   size to the next, and `train.rate_shape` names the shape the steps make (rising, a
-#   plateau, a peak then slower): more tests, so more chances for noise (simulated below).
+# - **The verdict.** `train.compare_rates` calls one batch size "faster" or "slower" than
+#   another only when it won every round, or all but one; "no clear difference" otherwise.
+#   `train.rate_shape` judges each step from one size to the next the same way and names the
+#   shape the steps make (rising, a plateau, a peak then slower). How sure that is: folded
+#   after the figure.
 # - **The clock.** `ThroughputMeter` (folded below, with `make_loaders` and `fit`) synchronizes
 #   a GPU before reading the clock: CUDA runs asynchronously, and without the sync you would
 #   time how fast Python *queues* work.
@@ -279,7 +275,7 @@ claim("the meter starts after the batch reached the device and stops after the o
 viz.show_code(train.ThroughputMeter, train.make_loaders, train.TrainConfig, train.fit)
 
 # %%
-batch_sizes = tuple(sorted({16, batch_size, 64, 256}))   # batch_size: the one `fit` used
+batch_sizes = tuple(sorted({4, 16, batch_size, 64, 256}))   # batch_size: the one `fit` used
 m = models.SmallCNN().to(device)
 opt = torch.optim.Adam(m.parameters(), lr=lr)
 sample_batches = {bs: [b for _, b in zip(range(512 // bs), train.make_loaders(ds, bs, seed=seed)[0])]
@@ -346,7 +342,23 @@ viz.show(fig, "training throughput per batch size on this machine (the lines onl
               "pairs, not these bars: a gap can be consistent where bars overlap, and "
               "unclear where they do not.")
 
-# %%
+# %% [markdown]
+# <details><summary>▶ How sure are these verdicts? (open to read)</summary>
+#
+# The rule (`train.rate_verdict`) needs one size to win every round, or all but one (one
+# outlier round does not decide). `compare_rates` prints a sign test's p: how often two equally
+# fast settings would split the rounds so lopsidedly (all but one of seven: p = 0.125, one noise
+# call in eight). The pair, smallest and largest batch, is chosen before the run: testing the
+# slowest and fastest after it would call noise a difference far more often. `rate_shape`
+# makes one test per step, so more chances for noise: the folded cell below counts how
+# often noise alone names a shape.
+#
+# </details>
+
+# %% [markdown]
+# **▶ How often noise alone names a shape: a simulation** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true}
 # How often does noise alone name a shape? Sizes equally fast: every run a random draw.
 null_rng = np.random.default_rng(seed)
 null_shapes = [train.rate_shape({bs: null_rng.random(rounds) for bs in batch_sizes})[0]
@@ -859,8 +871,10 @@ claim("torch 2.14.1's headers: Context declares alertNotDeterministic and no cuB
 # - **evaluation:** each process measures its own part of the test set, and the numbers must
 #   be combined across processes (lesson 04);
 # - **the learning rate:** it goes with the global batch, which grows with the devices:
-#   k× the batch, k× the lr *with SGD* (lesson 09 §4: the linear scaling rule and warmup);
-#   not with this lesson's Adam, which divides each step by the square root of a running mean
+#   k× the batch, k× the lr *with SGD*, a heuristic (the linear scaling rule), not a law: it
+#   can hold only below a *critical batch size*, often needs a few steps of warmup, and lesson
+#   09 §4 measures how much of the small batch's progress it wins back; it does not apply
+#   to this lesson's Adam, which divides each step by the square root of a running mean
 #   of squared gradients, so its step is not linear in the gradient.
 #
 # ## Lab 01: write the loop yourself
@@ -899,46 +913,13 @@ viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases,
 #
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-viz.quiz([
-    {"q": "You call loss.backward() twice on the same batch without zero_grad. The gradient is:",
-     "options": ["the same as after one call", "zero", "twice as large"],
-     "answer": 2,
-     "why": ["backward adds into .grad; it does not overwrite it.",
-             "Nothing subtracts the first gradient.",
-             "Right: .grad accumulates, which is also how gradient accumulation works."]},
-    {"q": "A one-process training script spends 70% of each step waiting for data. What "
-          "helps most?",
-     "options": ["A second GPU, driven by the same process (nn.DataParallel)",
-                 "More DataLoader workers, or a vectorised pipeline",
-                 "A larger learning rate, so that fewer steps are needed"],
-     "answer": 1,
-     "why": ["Both GPUs would wait for the one process's slow pipeline (DDP, lesson 03, gives "
-             "each GPU a process and a loader of its own).",
-             "Right: the bottleneck is the input pipeline, so speed that up.",
-             "The learning rate changes how far each step goes, not how long it takes."]},
-    {"q": "Under torch.autocast you compute the loss after leaving the `with` block, from "
-          "bfloat16 logits. Its dtype is:",
-     "options": ["bfloat16, like the logits", "float32, as autocast's list asks",
-                 "float64, to keep the sum exact"],
-     "answer": 0,
-     "why": ["Right: outside the block the op runs in its inputs' dtype — this lesson checked it.",
-             "Only inside the block does autocast keep the loss in float32.",
-             "Nothing here produces float64."]},
-    {"q": "Two runs with the same seed on the same machine give bit-identical weights. On a "
-          "different GPU model, the same seed gives:",
-     "options": ["bit-identical weights: the seed fixes every draw",
-                 "an error: the seed's state belongs to the other GPU",
-                 "weights that may differ, more with every step"],
-     "answer": 2,
-     "why": ["Different hardware sums in different orders; bit-identity is not promised.",
-             "Seeds work everywhere; only the results differ.",
-             "Right: floating-point addition is not associative and kernels differ; each step "
-             "feeds the next, so small differences grow."]},
-])
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("01"))
 
 # %% [markdown]
 # ## Sources

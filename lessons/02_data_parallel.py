@@ -9,9 +9,8 @@
 #   and how autograd brings the replicas' gradients back to the original parameters;
 # - read a from-scratch implementation of each move and check it against the plain model;
 # - predict what the real `nn.DataParallel` does on a machine with 0, 1 or several GPUs;
-# - say why replica 0 is special (its weights are the module's own tensors), and show that
-#   BatchNorm's running statistics after a DataParallel forward are not the whole batch's (why:
-#   lab 02's part 5);
+# - show that BatchNorm's running statistics after a DataParallel forward are not the whole
+#   batch's, and say why (lab 02's part 5: what of a replica's state reaches the module);
 # - count the traffic through device 0 when it hands the weights out and collects the
 #   gradients copy by copy — 2(N−1)K weights and gradients per step — say what the real class
 #   does instead (broadcast and reduce with NCCL, NVIDIA's GPU collectives library), and
@@ -60,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpcourse import devices, dp, models, viz
+from dpcourse import devices, dp, dp_answers, dp_costs, models, viz
 from dpcourse.checks import claim
 
 # One intra-op thread (the threads torch uses *inside* one operation, e.g. to split a
@@ -117,7 +116,7 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 # copies instead: *not run here*, Sources): autograd links them back to the original parameters, so the backward of the broadcast receives every copy's
 # gradient and hands one gradient per original parameter back to device 0. That is how
 # gradients reach `model`. The whole trick is one small `autograd.Function` — copies going out
-# in its `forward` (below), the copies' gradients coming back in its `backward` — and
+# in its `forward` (folded below), the copies' gradients coming back in its `backward` — and
 # `replicate` points each copy of the module at its own copies of the weights. How the
 # `backward` combines what the copies received is what lab 02 asks you to work out for plain
 # copies, and what `replicate` gives each copy besides its weights — the module's *buffers*,
@@ -126,7 +125,9 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 # lesson:
 
 # %%
-viz.show_code(dp.Broadcast.forward)
+viz.show_code(dp.Broadcast.forward,
+              folded="▶ Broadcast.forward — what it does for device 0 is a hint for lab 02's "
+                     "part 5: open it after the lab, or now if you skip it")
 
 # %%
 replicas = dp.replicate(model, devs)
@@ -143,19 +144,13 @@ claim("none of its buffers is among its parameters",
       not {id(b) for b in bn_probe.buffers()} & {id(q) for q in bn_probe.parameters()})
 
 # %% [markdown]
-# **Replica 0 is not a copy.** It lives on the module's own device, and there its weights are
-# views of the original tensors (still with the broadcast as their `grad_fn`); torch's
-# `replicate` does the same. What a replica's forward does to the module's *buffers*, and what
-# of it reaches the module, is lab 02's part 5, so torch's rule waits, folded, with the
+# What a replica's forward does to the module's *buffers*, and what of it reaches the module,
+# is lab 02's part 5, so how replica 0 is built and torch's rule wait, folded, with the
 # sources at the end. One consequence is shown here, the one that matters most for training:
 # BatchNorm's *running* mean and variance (buffers, updated by every training-mode forward) are
 # **not the whole batch's** after a DataParallel forward. A small BatchNorm model shows it:
 
 # %%
-w_rep0 = next(replicas[0].parameters())
-claim("replica 0's weight shares the original's memory; replica 1's is a copy",
-      w_rep0.data_ptr() == w0.data_ptr() and w_rep.data_ptr() != w0.data_ptr())
-
 bn_net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
 whole = copy.deepcopy(bn_net)
@@ -243,8 +238,9 @@ claim("every parameter of the original model received a gradient",
 claim("dp.data_parallel(model, X, devs) equals the plain model (to 1e-5)",
       torch.allclose(dp.data_parallel(model, X, devs), ref_out, atol=1e-5, rtol=0))
 viz.show(viz.dp_step_figure([c.shape[0] for c in chunks], K),
-         "in our copy-by-copy dp every arrow starts or ends at device 0: it sends the weights "
-         "out, collects the outputs, computes the loss alone and receives every gradient.")
+         "in our copy-by-copy dp every arrow starts or ends at device 0: it sends the input's "
+         "chunks and the weights out, collects the outputs, computes the loss alone and "
+         "receives every gradient.")
 
 # %% [markdown]
 # That picture is who holds what; the next is **when**. `viz.record_dp_step` runs one training
@@ -469,20 +465,21 @@ claim("three steps replicated the model three times", tc.replicate_calls == 3)
 # of the module's `__dict__` in which some of the module's own dicts are replaced (which ones,
 # and what that means for a forward that writes a buffer, is lab 02's part 5: folded at the
 # end). No tensor is copied there, so its Python part is cheaper than ours. So torch's own
-# `replicate` is timed too, the real class's cost every step whatever carries the bytes: on
-# the CPU its GPU-only broadcast is replaced, for the timing, by one clone of the weights per
-# extra device, the copies ours makes. Each time printed below is the best of five
-# calls, and the forward is replica 0's on chunk 0.
+# `replicate` is timed too, called as a training step calls it (`detach=False`: its
+# differentiable `Broadcast`, Sources); on the CPU that GPU-only broadcast is replaced, for
+# the timing, by ours, one clone of the weights per extra device. All three run with grad mode
+# on, as in a training step; each time printed below is the best of five calls, and the
+# forward is replica 0's on chunk 0, recording its graph.
 #
-# **▶ How the two are timed** (click below): `dp.time_replicate_vs_forward`.
+# **▶ How the two are timed** (click below): `dp_costs.time_replicate_vs_forward`.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(dp.time_replicate_vs_forward)
+viz.show_code(dp_costs.time_replicate_vs_forward)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # (why: timings depend on the machine and its load.)
-t = dp.time_replicate_vs_forward(model, X, devs)
+t = dp_costs.time_replicate_vs_forward(model, X, devs)
 print(f"replicate onto {n_devices} devices: {t['replicate_s'] * 1e3:.2f} ms; "
       f"forward of one chunk: {t['forward_chunk_s'] * 1e3:.2f} ms; ratio {t['ratio']:.2f}")
 print(f"torch's own replicate onto {n_devices} devices: {t['torch_replicate_s'] * 1e3:.2f} ms, "
@@ -494,7 +491,7 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0 and t["torch_replicate_
 # And the whole step? Below, one forward + backward of the plain model on the batch against
 # `dp.data_parallel` on 1, 2 and 4 simulated devices, interleaved over nine rounds. Every
 # "device" here is the same CPU, and each op runs on one intra-op thread. Their forwards run
-# in threads, and torch kernels release the GIL (see below), so on two or more cores they
+# in threads, and torch kernels release the GIL (measured below), so on two or more cores they
 # *can* use a second core while the plain model's step uses one (whether §4's recorded step
 # did is printed under its figure). The backward on a CPU runs in one thread either way. Against
 # that possible gain, DataParallel adds overhead per step — replication, threads, scatter and
@@ -579,7 +576,21 @@ print("On this run: " + "; ".join(
 
 # %% [markdown]
 # **One process, one GIL.** The replicas run in threads of one Python process. Torch kernels
-# release the GIL, but all the Python around them (module calls, hooks, the autograd glue) takes
+# release the GIL: while one thread runs a long matrix product, another keeps running Python
+# (`dp_costs.kernel_gil_probe`, folded below, measures that thread's longest pause):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (why: timings depend on the machine and its load.)
+viz.show_code(dp_costs.kernel_gil_probe, folded="▶ dp_costs.kernel_gil_probe: how the pause is measured")
+probe = dp_costs.kernel_gil_probe()
+print(f"one matrix product: {probe['kernel_s'] * 1e3:.0f} ms; the Python thread's longest pause "
+      f"meanwhile: {probe['longest_gap_s'] * 1e3:.0f} ms")
+claim("a torch kernel releases the GIL: the Python thread never paused for half the "
+      "kernel's time", probe["longest_gap_s"] < 0.5 * probe["kernel_s"], probe=probe)
+
+# %% [markdown]
+# But all the Python around the kernels (module calls, hooks, the autograd glue) takes
 # turns. Pure Python work is where it shows: under the GIL, two units of it run in two threads
 # cannot finish faster than one after the other, beyond the noise of the machine's load,
 # however many cores there are (handing the lock from thread to thread can make them slower).
@@ -589,7 +600,7 @@ print("On this run: " + "; ".join(
 # the GIL does, so the run's own verdict, printed last, says what this run could tell:
 
 # %%
-viz.show_code(dp.python_work, dp.gil_threads_demo)
+viz.show_code(dp_costs.python_work, dp_costs.gil_threads_demo)
 
 # %% [markdown]
 # Both numbers depend on the machine's load, so the verdict is computed from them, not
@@ -607,7 +618,7 @@ import sysconfig
 
 claim("this Python is a build with a GIL (not the free-threaded one: Py_GIL_DISABLED unset)",
       not sysconfig.get_config_var("Py_GIL_DISABLED"))
-g = dp.gil_threads_demo()
+g = dp_costs.gil_threads_demo()
 print(f"2 units of Python work: one after another {g['sequential_s'] * 1e3:.0f} ms, "
       f"in 2 threads {g['threaded_s'] * 1e3:.0f} ms, speed-up {g['speedup']:.2f}x")
 print(f"CPU seconds the process used per wall second: one after another "
@@ -683,44 +694,32 @@ viz.show_code(dp.scatter, dp.gather, dp.parallel_apply,
 # `dp.parallel_apply`'s docstring above and the sources below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-import threading
-
-seen_in_thread = []
-with torch.no_grad():
-    probe = threading.Thread(target=lambda: seen_in_thread.append(torch.is_grad_enabled()))
-    probe.start()
-    probe.join()
-    quiet = dp.parallel_apply(replicas, chunks)
-claim("a thread started inside torch.no_grad() runs with grad mode ON (it is per thread)",
-      seen_in_thread == [True], seen_in_thread=seen_in_thread)
-claim("parallel_apply passes the caller's mode on: under no_grad no replica records a graph",
-      not any(o.requires_grad for o in quiet))
+viz.show_code(dp_answers.measure_thread_grad_mode,
+              folded="▶ The measurement — open after your lab passes")
+with viz.folded_output("▶ What it measured — open after your lab passes"):
+    dp_answers.measure_thread_grad_mode(replicas, chunks)
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below): the
 # whole `Broadcast`, whose `backward` section 2 left out: what it does with the gradients the
 # copies received; and `replicate`, which section 2 ran: what each copy gets of the module's
-# buffers.
+# buffers, and what replica 0 is, measured.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(dp.Broadcast, dp.replicate,
+viz.show_code(dp.Broadcast, dp.replicate, dp_answers.measure_replica0_storage,
               folded="▶ The reference answer — open after your lab passes")
+with viz.folded_output("▶ What replica 0 is, measured — open after your lab passes"):
+    dp_answers.measure_replica0_storage(model, replicas)   # section 2's replicas
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click below): where
 # section 2's BatchNorm running statistics came from, measured (why: the first source below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-only_chunk0 = copy.deepcopy(bn_net)
-only_chunk0[1].reset_running_stats()  # back to its state before section 2's forward
-only_chunk0(chunks[0])                # a plain copy that sees device 0's chunk only
-bn_chunk0 = only_chunk0[1]
-claim("after one DataParallel forward, the module's BatchNorm running mean and variance are "
-      "bit-identical (torch.equal) to those of a copy that saw chunk 0 alone",
-      torch.equal(bn.running_mean, bn_chunk0.running_mean)
-      and torch.equal(bn.running_var, bn_chunk0.running_var))
-claim("the module counted one BatchNorm update, not one per replica",
-      bn.num_batches_tracked.item() == 1)
+viz.show_code(dp_answers.measure_bn_stats_source,
+              folded="▶ The measurement — open after your lab passes")
+with viz.folded_output("▶ What it measured — open after your lab passes"):
+    dp_answers.measure_bn_stats_source(bn_net, chunks[0])   # bn_net: section 2's, after its forward
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click below): how
@@ -735,19 +734,10 @@ claim("the module counted one BatchNorm update, not one per replica",
 # </details>
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-avg_grad = [torch.zeros_like(p) for p in model.parameters()]
-# Recompute each replica's share by hand and average them, to see the difference:
-for Xc, yc in zip(dp.scatter(X, devs), dp.scatter(y, devs)):
-    share = copy.deepcopy(plain)
-    share.zero_grad(set_to_none=True)
-    (F.cross_entropy(share(Xc), yc, reduction="sum") / batch).backward()
-    for a, p in zip(avg_grad, share.parameters()):
-        a += p.grad / n_devices
-ratio = (next(plain.parameters()).grad / avg_grad[0]).mean().item()
-print(f"full-batch gradient / averaged shares = {ratio:.2f}")
-claim(f"averaging the shares makes the gradient {n_devices}x (the number of devices) too small "
-      "(to 1e-3)",
-      abs(ratio - n_devices) < 1e-3, ratio=ratio)
+viz.show_code(dp_answers.measure_averaged_shares,
+              folded="▶ The measurement — open after your lab passes")
+with viz.folded_output("▶ What it measured — open after your lab passes"):
+    dp_answers.measure_averaged_shares(plain, X, y, devs)   # plain: section 4's, its .grad the batch's
 
 
 # %% [markdown]
@@ -759,10 +749,9 @@ claim(f"averaging the shares makes the gradient {n_devices}x (the number of devi
 #   broadcast; how they combine, and how plain copies' gradients must be combined, is lab 02's
 #   question (its answer is folded above, after the lab's pointer).
 # - Without GPUs the real `nn.DataParallel` silently just calls the module.
-# - Replica 0's weights are the module's own tensors (as in torch's `replicate`), and after a
-#   training-mode forward the module's BatchNorm running statistics are not the whole batch's
-#   (section 2's claim); why, and what a replica's forward does to the module's buffers, is
-#   lab 02's part 5 (its answer is folded after the lab's pointer).
+# - After a training-mode forward the module's BatchNorm running statistics are not the whole
+#   batch's (section 2's claim); why, and what a replica's forward does to the module's
+#   buffers, is lab 02's part 5 (its answer is folded after the lab's pointer).
 # - Its costs: a replication every step, threads sharing one GIL (default CPython build; a
 #   cost read from its design, measured only on a quiet machine), device 0 doing the loss alone,
 #   and, when the copies go one by one (a naive parameter server, as in our `dp`), 2(N−1)K
@@ -775,51 +764,13 @@ claim(f"averaging the shares makes the gradient {n_devices}x (the number of devi
 #
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-viz.quiz([
-    {"q": "In nn.DataParallel, where do the replicas' gradients end up after backward()?",
-     "options": ["On every GPU, each holding the same combined result",
-                 "On the original parameters on device 0, carried back through the backward "
-                 "of the broadcast that made the copies",
-                 "On each replica, which steps its own optimizer"],
-     "answer": 1,
-     "why": ["No: that is what an all-reduce leaves; here the gradients go one way, onto "
-             "device 0 (with NCCL's reduce when available), and only device 0 holds the "
-             "result.",
-             "Right: broadcast forward, its backward brings every copy's gradient back to "
-             "device 0 — autograd does it; how they are combined is lab 02's part 4.",
-             "There is one optimizer, on the original parameters; replicas are rebuilt each step."]},
-    {"q": "After one nn.DataParallel forward in training mode, where do the module's BatchNorm "
-          "running statistics come from?",
-     "options": ["From the whole batch", "From device 0's chunk alone",
-                 "From the average of every replica's chunk"],
-     "answer": 1,
-     "why": ["Each replica sees only its chunk; none sees the whole batch.",
-             "Right: the folded answer after the lab's pointer measured them bit-identical to "
-             "those of a copy that saw chunk 0 alone.",
-             "The folded answer after the lab's pointer measured them bit-identical to those of "
-             "a copy that saw chunk 0 alone: no average of the chunks."]},
-    {"q": "In this lesson's DataParallel, which copies one device at a time (a naive parameter "
-          "server), with 8 devices and a model of K parameters, how many numbers of weights and "
-          "gradients cross device 0's link per step?",
-     "options": ["3.5K", "14K", "8K"],
-     "answer": 1,
-     "why": ["That is what one rank of a ring all-reduce sends plus receives, 4(N−1)K/N at "
-             "N = 8, counted the same way: not device 0 of this DataParallel.",
-             "Right: 2(N−1)K = 14K — K out to each of 7 copies, K gradients back from each (the "
-             "batch's chunks and outputs cross it too, an amount that grows with the batch).",
-             "Close, but the weights go out to 7 copies AND 7 gradients come back."]},
-    {"q": "On a laptop with no GPU, what does nn.DataParallel(model)(X) do?",
-     "options": ["Raises an error", "Splits the batch over CPU threads",
-                 "Calls the module on the whole batch, silently"],
-     "answer": 2,
-     "why": ["It does not complain — which is why this course builds its own.",
-             "It has no CPU devices to scatter to.",
-             "Right: with no device_ids it just calls model(X)."]},
-])
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("02"))
 
 # %% [markdown]
 # ## Sources
@@ -860,7 +811,8 @@ viz.quiz([
 #   answer: it is folded at the end.)
 # - `torch/nn/parallel/comm.py` — `broadcast_coalesced` (`buffer_size=10485760`, done in C++ by
 #   `torch._C._broadcast_coalesced`; its `_get_device_index` refuses a CPU device, "Expected a
-#   non cpu device": why `dp.time_replicate_vs_forward` stands clones in for it).
+#   non cpu device": why `dp_costs.time_replicate_vs_forward` stands clones in for it, and our
+#   `dp.Broadcast` for `Broadcast` on `replicate`'s `detach=False` path).
 # - `torch/nn/parallel/scatter_gather.py` — `scatter`, `scatter_kwargs` (tensors split along
 #   `dim` by `Scatter.apply`), `gather`.
 # - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: when `len(modules) > 1`, one

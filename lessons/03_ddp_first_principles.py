@@ -82,7 +82,7 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # `torchrun`, by default, the launcher's agent hosts it and every rank connects as a client). The
 # **backend** is the library that moves the bytes: **gloo** (a collective communication library
 # from Meta, made for CPU tensors; it takes CUDA ones too, for nearly every operation, but
-# slowly, through the CPU's memory: the next section finds which) or **nccl** (NVIDIA's
+# slowly, through the CPU's memory: the appendix finds which) or **nccl** (NVIDIA's
 # Collective Communications
 # Library: GPU tensors only, one GPU per rank by default (lesson 00 finds the switch), much
 # faster on GPUs). In every rank `spawn` sets
@@ -162,58 +162,6 @@ after = {name: [res[name] for res in results] for name in before}
 viz.show(viz.collectives_figure(before, after),
          "broadcast copies rank 0's tensor; all_reduce leaves the sum on every rank; all_gather "
          "leaves everyone's pieces on every rank; reduce_scatter leaves rank r the sum of piece r.")
-
-# %% [markdown]
-# **Which collectives gloo runs on GPU tensors.** gloo's code for a collective on CUDA tensors
-# is a class of its own, `Async<Collective>CUDA…Work`, compiled into torch's libraries; their
-# names, searched in the installed ones, say which collectives have it (**▶ folded**; it
-# matters only where gloo is handed GPU tensors, which no profile of this course does: under
-# gloo, `one-gpu` included, each rank's tensors sit on the CPU). Besides the
-# four above, the claim names operations this lesson does not use: `reduce` and `gather` (the
-# result on one rank only), `scatter` (one rank's pieces, one to each rank), `all_to_all`
-# (every rank sends a piece to every rank), and `send`/`recv` (one rank to one other).
-
-# %% jupyter={"source_hidden": true}
-import mmap
-import re
-from pathlib import Path
-
-torch_lib = Path(torch.__file__).parent / "lib"
-gloo_cuda = {}
-for so in ("libtorch_cpu.so", "libtorch_cuda.so"):
-    if (torch_lib / so).exists():   # libtorch_cuda.so: only in a torch built for CUDA
-        with open(torch_lib / so, "rb") as f, \
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
-            gloo_cuda[so] = sorted({name.decode() for name in
-                                    re.findall(rb"Async(\w+?)CUDA(?:Device|Host)?Work", lib)})
-print("gloo's CUDA work classes, Async<name>CUDA…Work, by library:", gloo_cuda)
-with_cuda = set().union(*gloo_cuda.values())
-claim("gloo has CUDA code for broadcast and all_gather (libtorch_cpu.so) and, in a torch built "
-      "for CUDA, all_reduce (libtorch_cuda.so); also for reduce, gather, scatter and all_to_all; "
-      "none for send or recv",
-      {"Broadcast", "Allgather", "Reduce", "Gather", "Scatter", "Alltoall"} <= with_cuda
-      and ("Allreduce" in with_cuda or "libtorch_cuda.so" not in gloo_cuda)
-      and not any(name.startswith(("Send", "Recv")) for name in with_cuda), found=gloo_cuda)
-
-# %% [markdown]
-# So gloo takes GPU tensors for nearly every collective, not only the all_reduce and broadcast
-# that PyTorch's backend table in its documentation marks. (`reduce_scatter` has no class of
-# its own, so the names say nothing about it.) It is slow with them: gloo sends and receives
-# from the CPU's memory, so these classes copy the GPU tensor there and the result back. The
-# exception, `AsyncAllreduceCUDADeviceWork`, runs on GPU memory, chosen only when gloo's
-# transport reads GPU memory directly (GPUDirect, over InfiniBand's ibverbs); this torch's gloo
-# has only its TCP transport (*read from source, not measured*: PyTorch's
-# `ProcessGroupGloo*.cpp`, not installed; the transport's names in the library, ▶ folded below).
-
-# %% jupyter={"source_hidden": true}
-with open(next(torch_lib.glob("libtorch_cpu.*")), "rb") as f, \
-        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
-    transports = {name: lib.find(name.encode()) >= 0
-                  for name in ("makeTCPDevice", "makeIBVerbsDevice", "TORCH_GLOO_IBV_NAME")}
-claim("this torch's gloo can make its TCP transport and has no ibverbs one (libtorch_cpu.so "
-      "names makeTCPDevice, neither makeIBVerbsDevice nor TORCH_GLOO_IBV_NAME)",
-      transports == {"makeTCPDevice": True, "makeIBVerbsDevice": False,
-                     "TORCH_GLOO_IBV_NAME": False}, found=transports)
 
 # %% [markdown]
 # ## Averaging gradients — and DDP, which does it for you
@@ -914,6 +862,8 @@ claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a
 # method calls, read from the installed torch):
 
 # %%
+import re
+
 from torch.nn.modules import _functions as bn_functions
 
 calls = {name: re.findall(r"(?:dist|torch\.distributed)\.(\w+)\(",
@@ -1088,6 +1038,58 @@ claim("both are last-bit rounding: the gradients agree to 1e-6",
       max(float((hooked - three[k]).abs().max()) for k in ("grads_manual", "grads_ddp")) < 1e-6)
 
 # %% [markdown]
+# ## Appendix: which collectives gloo runs on GPU tensors
+# gloo's code for a collective on CUDA tensors
+# is a class of its own, `Async<Collective>CUDA…Work`, compiled into torch's libraries; their
+# names, searched in the installed ones, say which collectives have it (**▶ folded**; it
+# matters only where gloo is handed GPU tensors, which no profile of this course does).
+# Besides the table's four, the claim names operations this lesson does not use: `reduce` and `gather` (the
+# result on one rank only), `scatter` (one rank's pieces, one to each rank), `all_to_all`
+# (every rank sends a piece to every rank), and `send`/`recv` (one rank to one other).
+
+# %% jupyter={"source_hidden": true}
+import mmap
+import re
+from pathlib import Path
+
+torch_lib = Path(torch.__file__).parent / "lib"
+gloo_cuda = {}
+for so in ("libtorch_cpu.so", "libtorch_cuda.so"):
+    if (torch_lib / so).exists():   # libtorch_cuda.so: only in a torch built for CUDA
+        with open(torch_lib / so, "rb") as f, \
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+            gloo_cuda[so] = sorted({name.decode() for name in
+                                    re.findall(rb"Async(\w+?)CUDA(?:Device|Host)?Work", lib)})
+print("gloo's CUDA work classes, Async<name>CUDA…Work, by library:", gloo_cuda)
+with_cuda = set().union(*gloo_cuda.values())
+claim("gloo has CUDA code for broadcast and all_gather (libtorch_cpu.so) and, in a torch built "
+      "for CUDA, all_reduce (libtorch_cuda.so); also for reduce, gather, scatter and all_to_all; "
+      "none for send or recv",
+      {"Broadcast", "Allgather", "Reduce", "Gather", "Scatter", "Alltoall"} <= with_cuda
+      and ("Allreduce" in with_cuda or "libtorch_cuda.so" not in gloo_cuda)
+      and not any(name.startswith(("Send", "Recv")) for name in with_cuda), found=gloo_cuda)
+
+# %% [markdown]
+# So gloo takes GPU tensors for nearly every collective, not only the all_reduce and broadcast
+# that PyTorch's backend table in its documentation marks. (`reduce_scatter` has no class of
+# its own, so the names say nothing about it.) It is slow with them: gloo sends and receives
+# from the CPU's memory, so these classes copy the GPU tensor there and the result back. The
+# exception, `AsyncAllreduceCUDADeviceWork`, runs on GPU memory, chosen only when gloo's
+# transport reads GPU memory directly (GPUDirect, over InfiniBand's ibverbs); this torch's gloo
+# has only its TCP transport (*read from source, not measured*: PyTorch's
+# `ProcessGroupGloo*.cpp`, not installed; the transport's names in the library, ▶ folded below).
+
+# %% jupyter={"source_hidden": true}
+with open(next(torch_lib.glob("libtorch_cpu.*")), "rb") as f, \
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+    transports = {name: lib.find(name.encode()) >= 0
+                  for name in ("makeTCPDevice", "makeIBVerbsDevice", "TORCH_GLOO_IBV_NAME")}
+claim("this torch's gloo can make its TCP transport and has no ibverbs one (libtorch_cpu.so "
+      "names makeTCPDevice, neither makeIBVerbsDevice nor TORCH_GLOO_IBV_NAME)",
+      transports == {"makeTCPDevice": True, "makeIBVerbsDevice": False,
+                     "TORCH_GLOO_IBV_NAME": False}, found=transports)
+
+# %% [markdown]
 # ## Summary
 #
 # - DDP runs one process per device; the processes meet at a rendezvous and talk through
@@ -1123,64 +1125,13 @@ claim("both are last-bit rounding: the gradients agree to 1e-6",
 #
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-viz.quiz([
-    {"q": "You move from one GPU with batches of 16 to 4 ranks, each with a shard of 16 samples "
-          "and its loss the mean over its shard, every rank ending each backward with the average "
-          "of the 4 ranks' gradients. One step of the 4 ranks, with plain SGD at lr 0.1, is...",
-     "options": ["one process's step on the 64 samples together, at lr 0.1",
-                 "four one-process steps of 16 samples each, at lr 0.1",
-                 "one process's step on 16 samples, at lr 0.4"],
-     "answer": 0,
-     "why": ["Right: the average of four equal shards' mean-loss gradients is the gradient of the "
-             "mean loss over the 64 samples, so an epoch takes a quarter of the steps, each on a "
-             "batch 4 times bigger (keeping the learning rate is a choice: lesson 04, section 6) "
-             "— and every rank applies the same update.",
-             "Four steps would each start from weights the previous one updated; here all four "
-             "shards' gradients come from the same weights and make one update.",
-             "The averaged gradient is the global batch's, with nothing scaled by 4: the same "
-             "lr, 4 times the samples."]},
-    {"q": "Why does the first backward under DDP all-reduce one bucket holding every gradient?",
-     "options": ["DDP does not know the gradients' order yet: it reduces everything once, after "
-                 "the whole backward, and rebuilds buckets from the order it observed",
-                 "The first bucket is capped at 1 MiB and the model is small",
-                 "gloo cannot all-reduce several buckets at once"],
-     "answer": 0,
-     "why": ["Right: the initial size limit is sys.maxsize; the rebuild happens before the "
-             "second forward.",
-             "This lesson's model was seven times the cap and still went in one bucket.",
-             "From the second iteration on, gloo all-reduced several buckets."]},
-    {"q": "After 10 steps, are DDP's weights bit-for-bit equal to one process on the global "
-          "batch?",
-     "options": ["Yes, always", "No, but they agree to 1e-5; and across the ranks they ARE "
-                 "bit-for-bit equal", "No, they drift apart by design"],
-     "answer": 1,
-     "why": ["Summing in two halves rounds differently from summing in one go.",
-             "Right: every rank applies the very same all-reduced numbers.",
-             "They agree to 1e-5 here; nothing drifts on purpose."]},
-    {"q": "Every rank forgets sampler.set_epoch(epoch). What happens?",
-     "options": ["Ranks read overlapping data", "The program hangs at the second epoch",
-                 "Every epoch uses the same shuffled order"],
-     "answer": 2,
-     "why": ["Not when all forget: every rank stays at epoch 0, so they agree and the shards "
-             "stay disjoint. Overlap comes from ranks on different epochs.",
-             "Nothing is communicated by the sampler, so nothing can hang.",
-             "Right: the shuffle is seeded with seed + epoch, and the epoch stays 0."]},
-    {"q": "You train a model with BatchNorm under DDP with its defaults on 4 ranks and save rank "
-          "0's state_dict. Its running statistics are...",
-     "options": ["averaged over the 4 ranks by DDP's all-reduce",
-                 "those of the last rank to finish its forward",
-                 "rank 0's own, from rank 0's shards; the other ranks copied them before their "
-                 "training forwards"],
-     "answer": 2,
-     "why": ["Buffers get no gradient, so the all-reduce never touches them.",
-             "The broadcast comes from rank 0, in every case this lesson shows.",
-             "Right: forward_sync_buffers broadcasts from rank 0; rank 0's are never "
-             "overwritten. SyncBatchNorm (lesson 04) gives whole-batch statistics."]},
-])
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("03"))
 
 # %% [markdown]
 # ## Sources
@@ -1201,7 +1152,7 @@ viz.quiz([
 # - `torch/distributed/distributed_c10d.py` — `Backend.backend_capability`: gloo takes `cpu`
 #   and `cuda` tensors, nccl `cuda` only; it lists device types, not collectives.
 # - `torch/lib/libtorch_cpu.so` and `torch/lib/libtorch_cuda.so` — gloo's CUDA work classes,
-#   found by the claim in "The four collectives": `AsyncBroadcastCUDAWork`,
+#   found by the claim in the appendix: `AsyncBroadcastCUDAWork`,
 #   `AsyncAllgatherCUDAWork`, `AsyncReduceCUDAWork`, `AsyncGatherCUDAWork`,
 #   `AsyncScatterCUDAWork`, `AsyncAlltoallCUDAWork`, `AsyncAlltoallListCUDAWork` (libtorch_cpu)
 #   and `AsyncAllreduceCUDADeviceWork`, `AsyncAllreduceCUDAHostWork` (libtorch_cuda); none for

@@ -130,8 +130,8 @@ claim("a smaller split is not refused: it is the first n devices of the existing
 
 # %% [markdown]
 # The course builds every strategy with `mirrored.make_strategy(devices)`: plain
-# `tf.distribute.MirroredStrategy(devices)` with one addition, explained at the end of this
-# section once its terms are defined.
+# `tf.distribute.MirroredStrategy(devices)` plus a test-only setting lab 05's checks need
+# (folded at the end of this section).
 
 # %%
 import time
@@ -183,25 +183,10 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # The row of the profile this notebook runs on is measured below (the claim names the profile);
 # the other rows are read in TF's source (Sources), not run here.
 #
-# Now `make_strategy`'s addition. A `CollectiveAllReduce` numbers its *collective groups* (the
-# sets of devices that all-reduce together) from 1 in every strategy. Two strategies of
-# different sizes in one process (lab 05's checks build one with N + 1 replicas beside this
-# one) would reuse a number for groups of different sizes, and TF aborts. So
-# `make_strategy` gives each strategy its own range by setting the private class attribute
-# `MirroredStrategy._collective_key_base` for the constructor — an attribute TF's source marks
-# "Only set this in tests", and the one TF's own tests use. With one strategy per process, plain
-# `MirroredStrategy(devices)` is all you need.
-#
-# **▶ `mirrored.make_strategy`, the code** (click the folded cell below).
+# **▶ `mirrored.cross_device_ops_in_use`** (folded below: TF has no public getter, so it reads
+# the strategy's private `extended._cross_device_ops`).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.make_strategy)
-
-# %% [markdown]
-# TF has no public getter for the gradients' cross-device ops, so
-# `mirrored.cross_device_ops_in_use` reads the strategy's private `extended._cross_device_ops`:
-
-# %%
 viz.show_code(mirrored.cross_device_ops_in_use)
 
 # %%
@@ -221,6 +206,26 @@ claim(f"by default this strategy ({profile.tf_device_type} profile, {n_physical_
       f"{n_logical_gpus} logical GPUs) sums gradients with {expected_ops[0]}, implementation "
       f"{expected_ops[1]}", (ops_name, ops_impl) == expected_ops,
       in_use=(ops_name, ops_impl), expected=expected_ops)
+
+# %% [markdown]
+# <details><summary>▶ Why make_strategy, not plain MirroredStrategy (optional: a test-only
+# setting)</summary>
+#
+# A `CollectiveAllReduce` numbers its *collective groups* (the sets of devices that all-reduce
+# together) from 1 in every strategy. Two strategies of different sizes in one process (lab
+# 05's checks build one with N + 1 replicas beside this one) would reuse a number for groups of
+# different sizes, and TF aborts. So `make_strategy` gives each strategy its own range through
+# the private class attribute `MirroredStrategy._collective_key_base`, which TF's source marks
+# "Only set this in tests". With one strategy per process, plain `MirroredStrategy(devices)` is
+# all you need.
+#
+# </details>
+
+# %% [markdown]
+# **▶ `mirrored.make_strategy`, the code** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored.make_strategy)
 
 # %% [markdown]
 # ## 3. Input: tf.data with the global batch
@@ -464,7 +469,7 @@ claim(f"inside an XLA-compiled function this strategy, whose devices are "
 # loss is not the mean one device would compute. What it must be, for slices of any size and
 # with a penalty every replica holds whole, is the lab's first question. Open
 # [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) now: its step is not told
-# its size, so a short last batch, which this lesson does not show, is part 1's case too. **Do
+# its size, so a short last batch, which this lesson does not train on, is part 1's case too. **Do
 # it before reading on**: the rest of this section proves what its part 1 builds on.
 
 # %% [markdown]
@@ -523,9 +528,10 @@ with strategy.scope():
 made_inside = optimizer_in(strategy, build_for=[w_probe])
 kinds = {name: type(o.iterations.value).__name__
          for name, o in (("outside", made_outside), ("inside", made_inside))}
-claim("an SGD constructed outside the scope and built inside keeps an unmirrored step counter "
-      "(its constructor made it); optimizer_in's is mirrored",
-      kinds == {"outside": "ResourceVariable", "inside": "MirroredVariable"}, kinds=kinds)
+with viz.folded_output("▶ The claim — open after your lab passes"):
+    claim("an SGD constructed outside the scope and built inside keeps an unmirrored step "
+          "counter (its constructor made it); optimizer_in's is mirrored",
+          kinds == {"outside": "ResourceVariable", "inside": "MirroredVariable"}, kinds=kinds)
 
 # %% [markdown]
 # Every proof from here on runs the course's Keras CNN, `mirrored.build_keras_cnn` (the twin of
@@ -604,9 +610,9 @@ viz.show_code(mirrored.keras_loss_per_replica)
 # **Seven pairings: per-replica loss × how the gradients are combined** (measured and claimed
 # below the table; the second row's, by its losses).
 #
-# With every replica's slice the same size, as everywhere in this lesson (what stays right when
-# they differ — a short last batch — is lab 05's question), each framework is right only with
-# its own pairing:
+# With every replica's slice the same size, as in every step this lesson trains (a last step of
+# one sample, after the lab pointer, is the exception; what stays right when slices differ is lab
+# 05's question), each framework is right only with its own pairing:
 #
 # | per-replica loss | replicas' gradients | result, equal slices |
 # |---|---|---|
@@ -715,76 +721,70 @@ claim("with equal slices, compute_average_loss without global_batch_size (÷ its
 # cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-one_sample = tf.data.Dataset.from_tensor_slices((xb[:1], yb[:1])).batch(global_batch)
-x_last, y_last = next(iter(strategy.experimental_distribute_dataset(one_sample)))
-sizes = [int(t.shape[0]) for t in strategy.experimental_local_results(x_last)]
-called_on = []   # the replica of every step_fn call
+with viz.folded_output("▶ Its claims — open once lab 05 part 4 has measured your prediction"):
+    one_sample = tf.data.Dataset.from_tensor_slices((xb[:1], yb[:1])).batch(global_batch)
+    x_last, y_last = next(iter(strategy.experimental_distribute_dataset(one_sample)))
+    sizes = [int(t.shape[0]) for t in strategy.experimental_local_results(x_last)]
+    called_on = []   # the replica of every step_fn call
 
+    def step_fn(x, y):
+        called_on.append(int(tf.distribute.get_replica_context().replica_id_in_sync_group))
+        return tf.shape(y)[0]
 
-def step_fn(x, y):
-    called_on.append(int(tf.distribute.get_replica_context().replica_id_in_sync_group))
-    return tf.shape(y)[0]
+    strategy.run(step_fn, args=(x_last, y_last))
+    claim("a last step of one sample: each replica's slice as the folded text above says",
+          sizes == [1] + [0] * (n_replicas - 1), sizes=sizes)
+    claim("strategy.run's step_fn calls on those slices: as the folded text above says",
+          sorted(called_on) == list(range(n_replicas)), called_on=called_on)
+    with strategy.scope():
+        empty = sce(from_logits=True)(yb[:0], logits8[:0])
+    claim("eagerly, on an empty slice the default reduction returns the empty value unscaled: "
+          "shape (0,)", tuple(empty.shape) == (0,), shape=tuple(empty.shape))
 
+    @tf.function(input_signature=[tf.TensorSpec([None], yb.dtype),
+                                  tf.TensorSpec([None, logits8.shape[-1]], logits8.dtype)])
+    def traced_keras_loss(y, logits):   # batch dimension unknown while tracing, as in fit
+        return sce(from_logits=True)(y, logits)
 
-strategy.run(step_fn, args=(x_last, y_last))
-claim("a last step of one sample: replica 0 holds it, every other replica an empty slice",
-      sizes == [1] + [0] * (n_replicas - 1), sizes=sizes)
-claim("strategy.run calls step_fn once on every replica, the empty ones included",
-      sorted(called_on) == list(range(n_replicas)), called_on=called_on)
-with strategy.scope():
-    empty = sce(from_logits=True)(yb[:0], logits8[:0])
-claim("eagerly, on an empty slice the default reduction returns the empty value unscaled: "
-      "shape (0,)", tuple(empty.shape) == (0,), shape=tuple(empty.shape))
+    with strategy.scope():
+        traced_empty = traced_keras_loss(yb[:0], logits8[:0])
+    claim("in a tf.function with an unknown batch dimension, the same empty slice gives a "
+          "scalar 0.0",
+          tuple(traced_empty.shape) == () and float(traced_empty) == 0.0,
+          shape=tuple(traced_empty.shape), value=float(traced_empty))
+    traced_shapes = []   # the x shape each replica's loss_fn was traced with
 
+    @tf.function          # plain: traced with the shapes of the batch it is called on
+    def plain_traced_step(x, y):
+        def loss_fn(x, y):
+            traced_shapes.append(tuple(x.shape))
+            return sce(from_logits=True)(y, replicated(x))
+        return strategy.run(loss_fn, args=(x, y))
 
-@tf.function(input_signature=[tf.TensorSpec([None], yb.dtype),
-                              tf.TensorSpec([None, logits8.shape[-1]], logits8.dtype)])
-def traced_keras_loss(y, logits):   # batch dimension unknown while tracing, as in fit
-    return sce(from_logits=True)(y, logits)
+    per_replica_shapes = [tuple(t.shape) for t in
+                          strategy.experimental_local_results(plain_traced_step(x_last, y_last))]
+    claim("a plain @tf.function over strategy.run traces each replica with its slice's concrete "
+          "shape, so the empty replicas' Keras loss has shape (0,) there too, as eagerly",
+          sorted(s[0] for s in traced_shapes) == [0] * (n_replicas - 1) + [1]
+          and per_replica_shapes == [()] + [(0,)] * (n_replicas - 1),
+          traced_shapes=traced_shapes, per_replica_shapes=per_replica_shapes)
+    iterator_shapes = []
 
+    @tf.function
+    def step_on_iterator(iterator):   # reads its batch inside the function, as fit does
+        def loss_fn(x, y):
+            iterator_shapes.append(tuple(x.shape))
+            return sce(from_logits=True)(y, replicated(x))
+        return strategy.run(loss_fn, args=next(iterator))
 
-with strategy.scope():
-    traced_empty = traced_keras_loss(yb[:0], logits8[:0])
-claim("in a tf.function with an unknown batch dimension, the same empty slice gives a scalar 0.0",
-      tuple(traced_empty.shape) == () and float(traced_empty) == 0.0,
-      shape=tuple(traced_empty.shape), value=float(traced_empty))
-traced_shapes = []   # the x shape each replica's loss_fn was traced with
-
-
-@tf.function          # plain: traced with the shapes of the batch it is called on
-def plain_traced_step(x, y):
-    def loss_fn(x, y):
-        traced_shapes.append(tuple(x.shape))
-        return sce(from_logits=True)(y, replicated(x))
-    return strategy.run(loss_fn, args=(x, y))
-
-
-per_replica_shapes = [tuple(t.shape) for t in
-                      strategy.experimental_local_results(plain_traced_step(x_last, y_last))]
-claim("a plain @tf.function over strategy.run traces each replica with its slice's concrete "
-      "shape, so the empty replicas' Keras loss has shape (0,) there too, as eagerly",
-      sorted(s[0] for s in traced_shapes) == [0] * (n_replicas - 1) + [1]
-      and per_replica_shapes == [()] + [(0,)] * (n_replicas - 1),
-      traced_shapes=traced_shapes, per_replica_shapes=per_replica_shapes)
-iterator_shapes = []
-
-
-@tf.function
-def step_on_iterator(iterator):   # reads its batch inside the function, as fit does
-    def loss_fn(x, y):
-        iterator_shapes.append(tuple(x.shape))
-        return sce(from_logits=True)(y, replicated(x))
-    return strategy.run(loss_fn, args=next(iterator))
-
-
-from_iterator = strategy.experimental_local_results(
-    step_on_iterator(iter(strategy.experimental_distribute_dataset(one_sample))))
-claim("with the batch read from an iterator inside the tf.function, the trace has batch size "
-      "None and every replica's loss is a scalar: 0.0 on the empty ones",
-      all(s[0] is None for s in iterator_shapes)
-      and [tuple(t.shape) for t in from_iterator] == [()] * n_replicas
-      and [float(t) for t in from_iterator[1:]] == [0.0] * (n_replicas - 1),
-      iterator_shapes=iterator_shapes, losses=[float(t) for t in from_iterator])
+    from_iterator = strategy.experimental_local_results(
+        step_on_iterator(iter(strategy.experimental_distribute_dataset(one_sample))))
+    claim("with the batch read from an iterator inside the tf.function, the trace has batch size "
+          "None and every replica's loss is a scalar: 0.0 on the empty ones",
+          all(s[0] is None for s in iterator_shapes)
+          and [tuple(t.shape) for t in from_iterator] == [()] * n_replicas
+          and [float(t) for t in from_iterator[1:]] == [0.0] * (n_replicas - 1),
+          iterator_shapes=iterator_shapes, losses=[float(t) for t in from_iterator])
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below: the
@@ -1242,8 +1242,9 @@ import inspect
 tf_step = inspect.getsource(mirrored.train_step)
 tf_step = tf_step.split('"""')[0].rstrip(" ") + tf_step.split('"""')[2].lstrip("\n")   # without docstring
 torch_step = inspect.getsource(ddp_train_step)
-print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlines(True),
-                                   "PyTorch DDP", "TF MirroredStrategy", n=1)))
+viz.show_code("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlines(True),
+                                           "PyTorch DDP", "TF MirroredStrategy", n=1)),
+              folded="▶ The two steps as a diff — open after your lab passes")
 
 # %% [markdown]
 # ## Summary
@@ -1293,48 +1294,13 @@ print("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.splitlin
 # %% [markdown]
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-viz.quiz([
-    {"q": "On the CPU profile (or the one-GPU profile), in a fresh kernel, you create a "
-          "tf.Variable and only then call devices.split_tf_devices(2). What happens?",
-     "options": ["The split applies from now on", "A clear error: restart the kernel and split first",
-                 "TF silently ignores it"],
-     "answer": 1,
-     "why": ["TF fixes its devices on first use; they cannot change afterwards.",
-             "Right: the split must be the first thing a TF program does. (No error where none is "
-             "needed: with 2 or more real GPUs the helper splits nothing and returns /gpu:0 and "
-             "/gpu:1; after an earlier split into 2 or more devices it returns the first 2.)",
-             "The course's helper refuses it with a message rather than ignoring it."]},
-    {"q": "Each of 4 replicas computes tf.reduce_mean of its per-example losses. With "
-          "MirroredStrategy and plain SGD, the step is:",
-     "options": ["right", "4 times too big", "4 times too small"],
-     "answer": 1,
-     "why": ["It would be right under DDP, which averages; TF sums.",
-             "Right: the strategy SUMS the replicas' gradients of per-replica means, so the "
-             "gradient is 4 times too big, and so is SGD's step (Adam's would barely change: it "
-             "divides by the gradient's own running size).",
-             "That is compute_average_loss combined with averaging the gradients."]},
-    {"q": "Which batch size do you give a tf.data pipeline that you pass to "
-          "strategy.experimental_distribute_dataset?",
-     "options": ["the per-replica batch", "the global batch", "either; TF rescales it"],
-     "answer": 1,
-     "why": ["That is DDP's convention (per_rank_batch), and what a pipeline for "
-             "distribute_datasets_from_function batches by — not this function's.",
-             "Right: the strategy splits each global batch over the replicas (fit does the "
-             "same); a distribute_datasets_from_function pipeline batches per replica instead.",
-             "TF does not guess: for this function the number you give is the global batch."]},
-    {"q": "What is the main structural difference between MirroredStrategy and DDP?",
-     "options": ["MirroredStrategy does not all-reduce gradients",
-                 "One process drives all replicas in MirroredStrategy; DDP runs a process per device",
-                 "DDP cannot use more than one GPU per machine"],
-     "answer": 1,
-     "why": ["It does: apply_gradients sums them across replicas.",
-             "Right: this lesson's figure and side-by-side table show it.",
-             "DDP runs one process per GPU, as many GPUs as you have."]},
-])
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("05"))
 
 # %% [markdown]
 # ## Sources
@@ -1342,6 +1308,7 @@ viz.quiz([
 # Checked in the installed packages (paths relative to `site-packages`):
 #
 # - `tensorflow/python/eager/context.py` — `Context.set_logical_device_configuration`: "Virtual devices cannot be modified after being initialized" once TF has used its devices.
+# - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredStrategy._collective_key_base`, a class attribute under the comment "Only set this in tests", which `MirroredExtended.__init__` copies from its strategy; `MirroredExtended.__init__` keeps the cross-device ops in the private `_cross_device_ops` (no public getter).
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._make_collective_ops_with_fallbacks`: with no `cross_device_ops`, `CollectiveAllReduce` with `RING` on CPUs and on logical GPUs, `NCCL` on physical GPUs, `ReductionToOneDevice` for mixed CPU/GPU devices.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._reduce_to`: a reduction to a CPU destination (`strategy.reduce`) goes through `ReductionToOneDevice`; `MirroredExtended._batch_reduce_to`: the replica context's `all_reduce` goes through the strategy's cross-device ops.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._use_merge_call`: true unless the step runs under XLA on all-GPU devices; only when it is true, `_reduce_to` takes `ReductionToOneDevice` for a destination that is a CPU or does not match the value's devices (`cross_device_ops._devices_match`).

@@ -209,14 +209,18 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # meets the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against
 # ⌈log₂N⌉. So the ring is "bandwidth-optimal, latency-suboptimal": a consequence of their
 # bounds, held below against the simulators' counts up to N = 64 (at 1024, arithmetic only).
+# The others take 2⌈log₂N⌉ steps or more (the server fewer, by taking N messages at once).
+# *Recursive doubling* meets the bound, for N a power of two: in each of log₂N rounds every
+# worker swaps its whole array with a partner and adds, log₂N(α + Kβ), half the tree's time —
+# MPICH's all-reduce for short messages (Thakur et al.).
 #
 # The ring's bandwidth term is flat in N; its latency term grows with N. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
 # its bandwidth term is K·log N (the figure labels it "binomial tree (unpipelined)": its message
 # is not *pipelined*, cut into segments that travel one behind another, §4). So, in the
-# model: a ring for big gradients; for small messages a tree, if no extra machine is allowed
-# (the server, next, can be cheaper still); Rabenseifner's at least as cheap as both when N is
-# a power of two (all checked below). The parameter server has the fewest steps (if its link
+# model, among the five: a ring for big gradients; for small messages a tree, if no extra
+# machine is allowed (the server, next, can be cheaper still); Rabenseifner's at least as cheap
+# as both when N is a power of two (all checked below). The parameter server has the fewest steps (if its link
 # takes N messages at once), but one server's link carries NK bytes each way, growing with
 # every worker. Real ones shard: TF's `ParameterServerStrategy` puts whole variables on its S
 # servers round robin (splitting one only with a `variable_partitioner`), so about NK/S per
@@ -334,22 +338,21 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 # ## 3. α and β of this machine
 #
 # Now measure. We time `dist.all_reduce` on float32 tensors from 1 KiB to 16 MiB with 2 and 4
-# ranks (gloo over *loopback* TCP, the machine's internal network interface 127.0.0.1) and
-# fit the ring model t = 2(N−1)α + 2(N−1)/N·Kβ by least squares on
-# *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula is a **model**
-# of gloo, not a description we checked: gloo's C++ is compiled into torch and not among the
-# installed Python files. Its public source (`gloo/allreduce.cc`, function `ring`) implements a
-# segmented ring — a reduce-scatter then an all-gather. It cuts K into max(⌈K / 1 MiB⌉, 2N)
-# segments (`kMaxSegmentSize`), rounded up to a multiple of N, pipelined; a step sends 1/N of
-# them. Up to K = 2N MiB a step is two of gloo's messages, and the **α fitted here is a cost
-# per ring step**, what the model's 2(N−1)α needs; above that a step is more messages (8 at
+# ranks (gloo over *loopback* TCP, 127.0.0.1) and fit the ring model t = 2(N−1)α + 2(N−1)/N·Kβ by
+# least squares on *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula
+# is a **model** of gloo, not a description we checked: gloo's C++ is compiled into torch and not
+# among the installed Python files. Its public source (`gloo/allreduce.cc`, function `ring`)
+# implements a segmented ring — a reduce-scatter then an all-gather. It cuts K into max(⌈K / 1
+# MiB⌉, 2N) segments (`kMaxSegmentSize`), rounded up to a multiple of N, pipelined; a step sends
+# 1/N of them. Up to K = 2N MiB a step is two of gloo's messages, and the **α fitted here is a
+# cost per ring step**, what the model's 2(N−1)α needs; above that a step is more messages (8 at
 # 16 MiB on 2 ranks), whose extra cost lands in β.
 #
 # Two things on a small shared machine are not in that formula, and we handle both:
 #
 # * **Other programs.** Each size is timed several times, and a repetition can be slowed by
-#   anything else the machine runs. We fit the **fastest** repetition of each size: the one
-#   least disturbed, the closest to what the hardware costs. (The run also times the course's
+#   anything else the machine runs. We fit the **fastest** repetition of each size, the least
+#   disturbed. (The run also times the course's
 #   own ring, §4's, taking turns with gloo's; the fit uses gloo's.)
 # * **Ranks sharing cores.** With more ranks than cores, ranks take turns on the cores, so every
 #   message and every copy takes longer by about N / cores. The model with a *contention term*
@@ -387,7 +390,9 @@ t_fastest = np.array([r.all_reduce_min_s for r in table])  # dist.all_reduce, fa
 viz.show_code(bench.measure_allreduce, bench.summarize_allreduce)
 
 # %% [markdown]
-# The fit, its errors, α and β:
+# The fit, its errors, α and β. The model has no term for the additions (Thakur et al. and
+# Chan et al. add γ per byte), so the fitted β also pays gloo adding each received segment on
+# the CPU (`opts.reduce` in its `ring`, Sources): an *effective* β, not a link's.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -402,7 +407,7 @@ print("relative error of each model over the", len(t_fastest), "points:")
 for name, err in errors.items():
     print(f"  {name:>42}: median {np.median(err):.0%}, max {err.max():.0%}")
 print(f"the contention model: alpha = {fit.alpha * 1e6:.1f} us per ring step, "
-      f"1/beta = {fit.bandwidth / 1e9:.2f} GB/s")
+      f"1/beta = {fit.bandwidth / 1e9:.2f} GB/s (effective: additions included)")
 viz.show(viz.fit_figure(fit), "the fastest measured all-reduce times (points) against the α-β "
                               "model with its contention term (lines), for 2 and 4 ranks on "
                               "this machine: where the points leave the lines, the model misses.")
@@ -411,7 +416,7 @@ viz.show(viz.fit_figure(fit), "the fastest measured all-reduce times (points) ag
 claim("the fit found a positive α and β", fit.alpha > 0 and fit.beta > 0)
 claim("α is a sane latency: between 0.1 µs and 100 ms per ring step", 1e-7 < fit.alpha < 1e-1,
       alpha=fit.alpha)
-claim("1/β is a sane bandwidth: between 1 MB/s and 1 TB/s", 1e6 < fit.bandwidth < 1e12,
+claim("1/β (effective) is a sane bandwidth: between 1 MB/s and 1 TB/s", 1e6 < fit.bandwidth < 1e12,
       bandwidth=fit.bandwidth)
 claim("with the contention term, half the measured points are within 50% of the model "
       "(median relative error < 50%)", np.median(fit.relative_errors) < 0.5,
@@ -442,14 +447,13 @@ else:
           f"{bench.format_size(int(ks[fit.relative_errors.argmax()]))}.")
 
 # %% [markdown]
-# The medians above move with the machine's load, so the claim asserts only a loose bound,
-# 50%. Where the points leave the lines is what two parameters cannot capture.
+# The medians move with the machine's load: hence the claim's loose bound, 50%.
 #
 # ### Using the model on machines we do not have here
 #
-# The same two numbers explain multi-GPU figures. Plug in **published link bandwidths** — and
-# an assumed α of 10 µs — to *predict* (these are predictions from a model, not measurements)
-# how long one all-reduce of ResNet-50's gradients (25.6 M float32 values, about 102 MB) takes on
+# The same two numbers explain multi-GPU figures. Plug in **published link bandwidths** (a
+# link's β: the wire alone, no additions) — and
+# an assumed α of 10 µs — to *predict* (a model, not a measurement) how long one all-reduce of ResNet-50's gradients (25.6 M float32 values, about 102 MB) takes on
 # 8 GPUs with a ring:
 #
 # * NVLink 4 (H100 SXM) — NVIDIA's direct GPU-to-GPU link inside one server: 900 GB/s per GPU
@@ -467,9 +471,8 @@ for name, bw in links.items():
     print(f"predicted ring all-reduce of 102 MB on 8 GPUs over {name}: {c.seconds * 1e3:.2f} ms")
 
 # %% [markdown]
-# NVLink's prediction is well under a millisecond; over PCIe or a network, several milliseconds.
-# What that costs a step depends on how much of it overlaps the backward pass (lesson 07: DDP
-# all-reduces buckets during it, all but the last). Also note: *if one link speed covers the
+# NVLink's prediction is well under a millisecond; over PCIe or a network, several milliseconds
+# (how much of it a step pays: lesson 07, overlap). Also note: *if one link speed covers the
 # whole ring*, the bandwidth term 2(N−1)/N·K/B barely changes from 8 to 1024 GPUs — it tends to
 # 2K/B — while the latency term 2(N−1)α grows linearly. That condition is the model's:
 # `ring.cost` prices every step with one β (its code: the folded cell of §2), while a real
@@ -522,11 +525,10 @@ claim("arithmetic on ring.cost (one β for every step): with one link speed, 8 �
 # all-reduce's can be (the bound of §2), but its latency term 2(N−1)α grows linearly, faster
 # than the tree's 2⌈log₂N⌉α and far faster than the parameter server's two rounds. Compare
 # first the four of §2's first claim, Rabenseifner's set aside: where the ring is the cheapest
-# of those, it is the cheapest **up to** some N, and small messages push that N down. A search
-# over N = 2 … 128 can only say "128 or more" when the ring still wins at 128, and
-# `ring.ring_cheapest_up_to` says so: "up to N = n" means the ring is the cheapest at *every*
-# N from 2 to n (the search stops at the first N where another is cheaper), and *censored*
-# means it never stopped. A wider search finds where it stops. Then put Rabenseifner's back.
+# of those, it is the cheapest **up to** some N, and small messages push that N down.
+# `ring.ring_cheapest_up_to` searches N = 2 … 128: "up to N = n" means the cheapest at *every*
+# N from 2 to n; *censored*, still the cheapest at 128 (a wider search finds where it stops).
+# Then put Rabenseifner's back.
 #
 # **▶ The search's code** (click the folded cell below: `ring.cheapest`, ties going to the ring,
 # and the searches over N).
@@ -799,12 +801,9 @@ if world_size == 2:
 # [q1–q3] and range. The two ratio columns can disagree on a row (a ratio of medians is not the
 # median of the ratios): the verdicts under the table read the last column only, calling a
 # difference when q1 > 1 (the ring) or q3 < 1 (the built-in), and "no clear difference"
-# otherwise; one verdict per size, never pooled. How many of a size's pairs must agree for that
-# depends on how many repetitions the size got (`bench.reps_for`: small sizes get more) and on
-# how `bench.quartiles` interpolates (the inclusive method): with many pairs about three
-# quarters, with the 3 pairs of the largest size only 2 of them. The cell below computes that
-# count from `bench.quartiles` itself and prints it with each verdict — a verdict resting on
-# 2 of 3 pairs is weak evidence.
+# otherwise; one verdict per size, never pooled. How many pairs must agree depends on the
+# size's repetitions (`bench.reps_for`); the cell below computes it from `bench.quartiles` and
+# prints it with each verdict (2 of 3 pairs is weak evidence).
 #
 # **▶ The table's and the verdicts' helpers** (click the folded cell below:
 # `bench.bus_bandwidth`, `bench.AllreduceRow` and `bench.format_table`, the busbw columns and
@@ -842,11 +841,12 @@ for n in fit_world_sizes:
         by_verdict.setdefault(verdict, []).append(bench.format_size(r.nbytes) + need)
     print(f"This run, {n} ranks: " + "; ".join(f"{v} at {', '.join(sizes)}"
                                               for v, sizes in by_verdict.items()) + ".")
-ring_wins_big = [f"{bench.format_size(k)} ({n} ranks)" for (n, k), v in verdicts.items()
-                 if v == "the ring was faster" and k >= 256 * 1024]
-if ring_wins_big:
-    print(f"Ours was faster at {', '.join(ring_wins_big)}. A likely cause (not isolated here): "
-          f"it sends fewer messages (§4), and each waits for a core when ranks outnumber cores.")
+wins = [(n, k) for (n, k), v in verdicts.items() if v == "the ring was faster" and k >= 2**18]
+crowded = [n for n, _ in wins if n > cores]  # ranks outnumber cores only there
+if wins:
+    print(f"Ours was faster at {', '.join(f'{bench.format_size(k)} ({n} ranks)' for n, k in wins)}."
+          f" A likely cause (not isolated here): it sends fewer messages (§4)" + (f", and at "
+          f"{max(crowded)} ranks on {cores} cores each waits for a core." if crowded else "."))
 else:
     print("This run: ours was not clearly faster at any size from 256 KiB up.")
 one_kib = {r.world_size: r for r in table if r.nbytes == 2**10}
@@ -915,34 +915,12 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 # **▶ Those counts, computed — open after your lab passes** (folded below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-from functools import cache
-
-
-def blocking_ring_time(sends_first):
-    """Transfer times of a blocking ring all-reduce, rank r sending first if sends_first[r]:
-    each transfer takes one and starts once its sender and its receiver have both reached it."""
-    n = len(sends_first)
-
-    @cache
-    def done(r, t):   # when rank r's step-t send (rank r+1's step-t receive) completes
-        if t < 0:
-            return 0
-        right = (r + 1) % n
-        sender_ready = done((r - 1) % n, t - 1 if sends_first[r] else t)   # after its receive
-        receiver_ready = done(right, t) if sends_first[right] else done(right, t - 1)
-        return 1 + max(sender_ready, receiver_ready)
-    return max(done(r, 2 * (n - 1) - 1) for r in range(n))
-
-
-times = {n: blocking_ring_time([r % 2 == 0 for r in range(n)]) for n in (3, 4, 5, 16, 17)}
-per_step = {n: t / (2 * (n - 1)) for n, t in times.items()}
-claim("alternating send/receive order, N = 3, 4, 5, 16, 17: two transfer times a step on even "
-      "N, and on odd N the average the folded text above derives",
-      all(per_step[n] == (2 if n % 2 == 0 else 2 * n / (n - 1)) for n in times),
-      times=times)
-chain = {n: blocking_ring_time([r != 0 for r in range(n)]) / (2 * (n - 1)) for n in times}
-claim("only rank 0 receiving first, N = 3, 4, 5, 16, 17: a chain, N transfer times a step",
-      all(chain[n] == n for n in chain), per_step=chain)
+viz.show_code(ring.blocking_ring_time, ring.blocking_ring_orders,
+              folded="▶ The counts' code — open after your lab passes")
+with viz.folded_output("▶ The counts — open after your lab passes"):
+    for order, (per_step, derived) in ring.blocking_ring_orders((3, 4, 5, 16, 17)).items():
+        claim(f"{order}, N = 3, 4, 5, 16, 17: the transfer times per step the folded text "
+              f"above derives", per_step == derived, per_step=per_step, derived=derived)
 
 # %% [markdown]
 # **▶ The reference answer's code — open after your lab passes** (the folded cell below: `ring.chunk_bounds`, `ring.receive_buffer` and `ring.ring_allreduce`).
@@ -1034,49 +1012,13 @@ viz.show(viz.pipeline_figure(
 #
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-viz.quiz([
-    {"q": "How many bytes does each worker send in a ring all-reduce of K bytes over N workers?",
-     "options": ["K", "2(N−1)K/N", "2(N−1)K"],
-     "answer": 1,
-     "why": ["Exact only at N = 2; as N grows the count approaches 2K: N−1 chunks of K/N, twice.",
-             "Right: N−1 chunks in the scatter-reduce and N−1 in the all-gather, each K/N.",
-             "That is what device 0 moves in DataParallel (lesson 02), not a ring worker."]},
-    {"q": "Going from 8 to 1024 workers, with every link of the ring at the same speed, what "
-          "happens to the ring's bandwidth term?",
-     "options": ["It grows 128 times", "It barely changes: 2(N−1)/N tends to 2",
-                 "It shrinks to zero"],
-     "answer": 1,
-     "why": ["That is a single, unsharded parameter server's link.",
-             "Right: the latency term 2(N−1)α grows instead. But the condition matters: 1024 "
-             "GPUs span many servers, and a ring's step waits for its slowest link. With one "
-             "50 GB/s NIC per server (against 450 GB/s NVLink) β is the network's and the "
-             "term is about ten times the one-server NVLink one; with a NIC per GPU, NCCL's "
-             "parallel rings share the server's 400 GB/s and it is about 1.3 times.",
-             "Every worker still sends almost 2K bytes."]},
-    {"q": "Every rank calls a blocking dist.send to its right neighbour, then dist.recv from its "
-          "left. What happens?",
-     "options": ["It always works",
-                 "It depends on the transport: with gloo it hangs even on tiny tensors; an MPI library "
-                 "that sends small messages eagerly lets it work on tiny tensors and hang on big ones",
-                 "It hangs only on big tensors, whatever the transport"],
-     "answer": 1,
-     "why": ["Only if every send were buffered; with gloo none is.",
-             "Right (lab 06 part 4 shows gloo hang on 12 elements); correct code must not rely on a "
-             "send being buffered: "
-             "lab 06 has you decide how.",
-             "With gloo it hangs on 12 elements too: lab 06 part 4 runs it."]},
-    {"q": "Your fitted α is 50 µs and 1/β is 2 GB/s. For 1 KB messages, what dominates a ring "
-          "all-reduce over 8 ranks?",
-     "options": ["the latency term 2(N−1)α", "the bandwidth term", "neither: they are equal"],
-     "answer": 0,
-     "why": ["Right: 14 × 50 µs = 0.7 ms, against about 1 µs of transfer.",
-             "1.75 KB at 2 GB/s is under a microsecond.",
-             "They differ by almost three orders of magnitude."]},
-])
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("06"))
 
 # %% [markdown]
 # ## Sources that answer lab 06's stretch
@@ -1111,6 +1053,6 @@ viz.quiz([
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
 # - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/search.cc` — `ncclTopoSearchRecNet` (line 736: the search for a new channel tries the NICs from `nets[(graph->nChannels + i) % netCount]`, the next NIC for each new ring; a NIC is skipped when less than a channel's bandwidth is left on it, line 739, and each channel placed on it takes that much, lines 747-751); `src/graph/tuning.cc` — the tuner's bandwidth for a ring over more than two servers (line 306: `bw = bwInter`, the per-channel network bandwidth; line 324: `busBw = nChannels * bw`) and its latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
-# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded bullet above this list); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
-# - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs.
-# - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 287-295: each received segment is added into the output on the rank's CPU, `reduceInputs` and `opts.reduce`, inside the loop; lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded bullet above this list); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
+# - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs; recursive doubling, lg p(α + nβ + nγ), MPICH's all-reduce for short messages; γ, the time per byte of the reduction's arithmetic.
+# - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth; its cost model adds γ per byte for the additions.

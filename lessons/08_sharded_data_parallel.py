@@ -571,18 +571,14 @@ viz.show(viz.zero_tradeoff_figure(
 # %%
 f_gpu, ib_bw, nvlink_bw = 0.5 * 312e12, 25e9, 300e9   # half an A100's bf16 peak; bytes/s per GPU
 for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw)):
-    t_min = f_gpu / bw
-    claim(f"across {name}: at T = F/BW = {t_min:.0f} tokens per GPU a layer's forward and "
-          "backward compute last as long as their collectives, whatever P (1 M to 1 B checked)",
-          all(abs((2 * p * t_min / f_gpu) / (2 * p / bw) - 1) < 1e-9
-              and abs((4 * p * t_min / f_gpu) / ((2 + 2) * p / bw) - 1) < 1e-9
-              for p in (1e6, 1e7, 1e8, 1e9)))
+    print(f"across {name}: T ≥ F/BW = {f_gpu / bw:.0f} tokens per GPU (P cancels: "
+          "2P·T/F ≥ 2P/BW forward, 4P·T/F ≥ (2 + 2)P/BW backward)")
 
 # %% [markdown]
 # With fewer tokens per GPU per micro-batch, part of ZeRO-3's traffic stays on the critical
 # path however well it is scheduled (a bound from bandwidth alone: latency only raises it);
-# with bf16 weights gathered but fp32 gradients reduced, the backward needs 1.5× as many
-# tokens; all in fp32, as FSDP2 runs here, twice as many.
+# with bf16 weights gathered but fp32 gradients reduced (FSDP2 as section 6 runs it), the
+# backward needs 1.5× as many tokens; all in fp32, twice as many.
 #
 # Note what does not shrink with N in ZeRO-3: a rank's working set. While a layer's backward
 # computes, its full weights (gathered whole, section 4) and its full gradient (weighed in
@@ -608,11 +604,13 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 # (`_fsdp_param_group.py` 741-743) until the *next* group's `post_backward`, which makes the
 # compute stream wait for that reduce-scatter, then drops it before reducing its own (661-682;
 # `reduce_scatter_max_input_buffers`, 1 by default, line 113, is how many may stay), or, for
-# the last group, until the root's end-of-backward callback (`_fsdp_state.py` 427-437), which
+# the last group, until the root's end-of-backward callback (the *root*, section 6: the
+# outermost sharded module, which queues a function for the end of the whole backward;
+# `_fsdp_state.py` 427-437), which
 # does so only on the last backward of a step (`is_last_backward`, True unless
-# `set_is_last_backward(False)` says more micro-batches follow, as in section 6's
-# accumulation: then the last group's buffer waits for the next backward's first
-# `post_backward`). The next layer's backward sets its lifetime, whatever the collective's
+# `set_is_last_backward(False)` says more micro-batches follow — section 6's accumulation
+# leaves it True, so every micro-batch's backward drops them; set False, the last group's
+# buffer waits for the next backward's first `post_backward`). The next layer's backward sets its lifetime, whatever the collective's
 # progress.
 #
 # </details>
@@ -845,7 +843,9 @@ claim("FSDP2's post_backward saves the gradients, frees the full weights (reshar
 # root once per micro-batch (its backward reshards it) and reduce-scatters every micro-batch's
 # gradients: k times the traffic of one pass. `set_requires_gradient_sync(False)` on all but
 # the last micro-batch skips those reduce-scatters, and `set_reshard_after_backward(False)`
-# keeps the weights gathered between micro-batches; both pay in memory. Measured with k = 2:
+# keeps the weights gathered between micro-batches; both pay in memory (without the
+# reduce-scatters each unit keeps its full gradient: ZeRO-2's saving is gone, which is why a
+# ZeRO-2 reduce-scatters every micro-batch). Measured with k = 2:
 
 # %%
 viz.show_code(experiments.fsdp2_accumulation_worker)
@@ -889,7 +889,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same; autocast's weight casts add ~2 B from forward to backward) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
 # | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (4 weights + 4 gradients + 4 for DDP's buckets + Adam's 8/N; the run above weighs only the optimizer state), 8 + 8/N B with `gradient_as_bucket_view=True`; roughly, as whole parameters are per rank | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
-# | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ | more memory freed, still no extra traffic — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
+# | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ with one backward per step; (k+1)Ψ with k accumulation micro-batches (no full gradient to accumulate into: it reduce-scatters each) | more memory freed, no extra traffic without accumulation — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
 # | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one forward and one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: k accumulation micro-batches gather about 2k times, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
 # | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
 #
@@ -926,7 +926,9 @@ claim(f"a 13-B model on 8 \"40-GB\" A100s (40 GiB = {40 * gib / gb:.1f} GB each;
 #   and gradient) comes on top and does not shrink with N: a layer's whole gradient, weighed
 #   just before its reduce-scatter, was the same at N = 2, 3 and 4.
 # - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
-#   same traffic when gradients and weights travel in one dtype. ZeRO-3 gathers the weights
+#   same traffic when gradients and weights travel in one dtype and each step has one
+#   backward (ZeRO-2, holding only its gradient shard, reduce-scatters every accumulation
+#   micro-batch: (k+1)Ψ at k, where DDP under `no_sync()` sends 2Ψ). ZeRO-3 gathers the weights
 #   twice (forward and backward): 1.5× then, with one backward per step and nothing tied
 #   across units — more with a tied layer (measured) or gradient accumulation, less where
 #   FSDP2 keeps its root gathered. With bf16 weights and fp32 gradients the ratios become
@@ -942,61 +944,13 @@ claim(f"a 13-B model on 8 \"40-GB\" A100s (40 GiB = {40 * gib / gb:.1f} GB each;
 #
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-viz.quiz([
-    {"q": "With mixed-precision Adam, which part of a parameter's 16 bytes is largest?",
-     "options": ["The bf16 weights", "The bf16 gradients",
-                 "The optimizer state: fp32 master weights, momentum and variance"],
-     "answer": 2,
-     "why": ["2 bytes.", "2 bytes.", "Right: 12 of the 16 bytes, which is why ZeRO shards it "
-             "first."]},
-    {"q": "Gradients and weights in the same dtype: why does ZeRO-1 send no more than DDP?",
-     "options": ["It compresses the gradients",
-                 "DDP's all-reduce is a reduce-scatter plus an all-gather; ZeRO-1 does the same "
-                 "two halves, just with the optimizer step in between",
-                 "It skips the all-gather"],
-     "answer": 1,
-     "why": ["Nothing is compressed.", "Right: the same volume, for less memory.",
-             "Without the all-gather the ranks' weights would drift apart."]},
-    {"q": "Everything in bf16: why does ZeRO-3 send 1.5× DDP's bytes?",
-     "options": ["It all-gathers each layer's weights twice — for the forward and again for "
-                 "the backward — and reduce-scatters the gradients: three halves",
-                 "It all-reduces twice", "Because of padding"],
-     "answer": 0,
-     "why": ["Right: 3Ψ against DDP's 2Ψ.", "There is no all-reduce in ZeRO-3.",
-             "Padding adds well under 1 % here."]},
-    {"q": "Your ZeRO-2 reduce-scatters every gradient in step(), after the backward. What "
-          "did it save?",
-     "options": ["Memory at rest between steps, but not the peak: at the end of the backward "
-                 "every full gradient existed at once, as in ZeRO-1",
-                 "The peak: the gradients are sharded",
-                 "Traffic: a reduce-scatter sends half of an all-reduce"],
-     "answer": 0,
-     "why": ["Right: the peak falls only when buckets are reduce-scattered and dropped during "
-             "the backward (lab 08).",
-             "They are sharded only once the reduce-scatter has run; before it every rank holds "
-             "all of them.",
-             "The all-gather after the step sends the other half: the same traffic as DDP."]},
-    {"q": "FSDP2 with param_dtype=bf16 and reduce_dtype=fp32: what collective volume does a "
-          "step have per parameter (section 5's convention, the root aside)?",
-     "options": ["6 bytes: three 2-byte collectives, as in the ZeRO paper (fp16)",
-                 "8 bytes: two bf16 all-gathers and an fp32 reduce-scatter",
-                 "12 bytes: everything in fp32"],
-     "answer": 1,
-     "why": ["The reduce-scatter runs in reduce_dtype, fp32: 4 bytes, not 2.",
-             "Right: 2 + 2 + 4, what section 6 measured; on a ring a rank sends (N − 1)/N of "
-             "it, 4 bytes at N = 2.",
-             "The all-gathers run in param_dtype, bf16."]},
-    {"q": "A 13-B model, 8 \"40-GB\" A100s (40 GiB = 42.9 GB each): DDP does not fit. What does?",
-     "options": ["ZeRO-1", "ZeRO-2", "ZeRO-3"],
-     "answer": 2,
-     "why": ["4 + 12/8 = 5.5 bytes per parameter: 71.5 GB before any activation.",
-             "2 + 14/8 = 3.75 bytes per parameter: 48.75 GB before any activation.",
-             "Right: 16/8 = 2 bytes per parameter, 26 GB, which leaves room for activations."]},
-])
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("08"))
 
 # %% [markdown]
 # ## Sources
@@ -1032,7 +986,9 @@ viz.quiz([
 #   input none is applied. `FSDPParamGroup.post_backward`: it saves the unsharded gradients,
 #   calls `reshard()` (frees the full weights) if `reshard_after_backward`, then
 #   `foreach_reduce` (in `_fsdp_collectives.py`: the reduce-scatter) — the weights go before
-#   the reduce-scatter; with `reduce_grads` False it returns before saving or reducing.
+#   the reduce-scatter; with `reduce_grads` False it returns before saving or reducing,
+#   the unsharded gradient kept to accumulate into (`FSDPParam.to_accumulated_grad_if_needed`
+#   and `accumulate_unsharded_grad_if_needed`, `_fsdp_param.py`).
 #   `FSDPModule.set_requires_gradient_sync` sets `reduce_grads` (`_fully_shard.py`).
 # - `torch/distributed/tensor/_api.py` — `DTensor`, `DTensor.to_local`;
 #   `torch/distributed/tensor/placement_types.py` — `Shard`, `Replicate`;

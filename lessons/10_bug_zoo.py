@@ -15,7 +15,7 @@
 #   `dist.monitored_barrier`, `TORCH_DISTRIBUTED_DEBUG=DETAIL` (and what it costs), the
 #   `timeout` of `init_process_group`, the flight recorder, `NCCL_DEBUG=INFO`, a stack dump
 #   of a hung rank;
-# - fix each bug, and prove the fix with the same detector staying quiet.
+# - fix each bug, and prove the fix by a run: for most bugs, the same detector staying quiet.
 #
 # **Time:** about 75 minutes to read and run.
 #
@@ -24,7 +24,8 @@
 # fix it.
 #
 # Every program below really runs, on 2 gloo ranks, under a short time limit: a hang costs a
-# few seconds and leaves nothing running. The broken programs live
+# few seconds, and `spawn` then kills every rank's process tree (lesson 00 checks that none
+# is left). The broken programs live
 # in `dpcourse.bugzoo`, one small function each, with the bug marked `# BUG` and its fix behind
 # `fixed=True`.
 
@@ -73,8 +74,14 @@ claim("run plainly, bug 1 only times out, naming the rank that never finished, n
 # cross-rank tool for that: `torchfrtrace`, installed with torch, merges every rank's dump of
 # the flight recorder (each process's ring buffer of its last collectives, with the stack that
 # called each one and whether it has finished), pairs them across ranks, and names the ranks
-# missing from a collective and the collectives that differ. The recorder runs on gloo too and knows where a rank stopped (section 2), but it lives
-# in the process's memory: only NCCL writes it to a file, on a timeout. What the course adds, in
+# missing from a collective and the collectives that differ. The recorder runs on gloo too and
+# knows where a rank stopped (section 2), but it lives in the process's memory: NCCL writes it
+# to a file on a timeout; otherwise it reaches a file only when asked, by the experimental
+# `torch.distributed.debug.start_debug_server(dump_dir=...)` (it needs Jinja2 and aiohttp):
+# rank 0 then fetches every rank's Python stacks and CPU-side recorder (gloo's) and writes
+# them to disk every `dump_interval`, 60 s by default.
+#
+# What the course adds, in
 # `dpcourse.detectors`, is **the collective trace**: on every rank, each `dist.<collective>`
 # call as it starts, with the line of your code that made it, and when it returns, written to a
 # file at once, so it survives a rank that hangs and gets killed; and a comparison of the ranks.
@@ -85,10 +92,13 @@ claim("run plainly, bug 1 only times out, naming the rank that never finished, n
 # from which line, but not which one waits. `diagnose` adds a
 # dump of each rank's Python stack. The trace writes its lines from the `before` and `after`
 # hooks of `collectives.record_collectives`, a recorder that wraps each `dist.<collective>`
-# function for a `with` block (**▶ folded below**; it sees only calls through those functions):
+# function for a `with` block, and `Recorder.run`, which each wrapped call goes through:
+# `before` as the call starts, `after` once it returns, and any call made meanwhile (the
+# monitored barrier that section 2 puts in `before`) passes unrecorded (**▶ folded below**;
+# it sees only calls through those functions):
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(collectives.record_collectives)
+viz.show_code(collectives.record_collectives, collectives.Recorder.run)
 
 # %% [markdown]
 # `detectors.diagnose(fn, world_size, *args, timeout=...)` runs a worker (or a script) on N
@@ -129,11 +139,13 @@ claim("fixed (every rank calls it): it finishes, and the detector stays quiet", 
 # that called it (`caller_line`), and another line when the call returns; `read_traces` marks a
 # call done only if its end line was written, `compare_traces` finds the first call where the
 # ranks differ and calls a rank whose last call is not done *stuck*; `user_frames` keeps your
-# frames of the `faulthandler` stack dump:
+# frames of the `faulthandler` stack dump (**▶ folded**: open it to read the code):
 
 # %%
 viz.show_code(detectors.trace_collectives, detectors.compare_traces, detectors.caller_line,
-              detectors.read_traces, detectors.user_frames)
+              detectors.read_traces, detectors.user_frames,
+              folded="▶ The trace's code: trace_collectives, compare_traces, caller_line, "
+                     "read_traces, user_frames")
 
 # %% [markdown]
 # **`dist.monitored_barrier` names the rank that never came.** Put one before the collective
@@ -219,7 +231,9 @@ claim("DETAIL makes a one-element all_reduce at least 1.5× slower here (a barri
 # %% [markdown]
 # The process group's own `timeout` turns the same hang into an error on the stuck rank —
 # on **gloo**, which is what runs here: the blocked call raises after 2 s instead of gloo's
-# default 30 minutes.
+# default 30 minutes. That default follows the backend *string*: only a bare `"nccl"` group
+# gets NCCL's 10 minutes; `"cpu:gloo,cuda:nccl"`, which an NCCL job uses for monitored
+# barriers, gets 30 (`_get_default_timeout`, claimed below). Pass `timeout=` yourself.
 
 
 # %%
@@ -240,6 +254,16 @@ print(f"rank {group_timeout.rank} failed:",
       group_timeout.summary.split("] ")[-1].split(" for ")[0])
 claim("on gloo, with timeout=2 s, rank 0 raises 'Timed out' itself, in the call",
       group_timeout.rank == 0 and "Timed out" in group_timeout.summary)
+from datetime import timedelta
+
+from torch.distributed import constants
+from torch.distributed.distributed_c10d import Backend, _get_default_timeout
+
+thirty = [_get_default_timeout(Backend(b)) for b in ("gloo", "cpu:gloo,cuda:nccl")]
+claim('with no timeout=, "gloo" and "cpu:gloo,cuda:nccl" both wait 30 minutes; NCCL\'s 10 '
+      'go only to a bare "nccl" group (where this torch has NCCL)',
+      thirty == [timedelta(minutes=30)] * 2 and (constants.default_pg_nccl_timeout is None
+      or _get_default_timeout(Backend("nccl")) == timedelta(minutes=10)), defaults=thirty)
 
 # %% [markdown]
 # **On NCCL the same hang looks different, and it depends on whether the group's NCCL
@@ -453,7 +477,8 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 # |---|---|---|
 # | `dist.monitored_barrier(timeout=..., wait_all_ranks=True)` | a barrier in which rank 0 waits for every other rank and, at the timeout, raises naming the ranks that never arrived; each other rank waits for rank 0's answer, up to the group's timeout (run above) | a group with a CPU backend: gloo, or `"cpu:gloo,cuda:nccl"` in an NCCL job; bugs 1 and 3 above |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: bugs 1 and 2 above, with its cost measured |
-# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (defaults: 30 min for gloo, 10 min for NCCL). **gloo**: the blocked call raises. **NCCL**, communicator formed: the call returned at once; the watchdog tears the process down at the timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, default 3); `wait()` raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or `work.wait(timeout)` | gloo: bug 1 above; NCCL: the figure above |
+# | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (default: 10 min for a bare `"nccl"` group, 30 min for any other string, `"cpu:gloo,cuda:nccl"` included, claimed above: pass it yourself). **gloo**: the blocked call raises. **NCCL**, communicator formed: the call returned at once; the watchdog tears the process down at the timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, default 3); `wait()` raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or `work.wait(timeout)` | gloo: bug 1 above; NCCL: the figure above |
+# | `TORCH_DIST_NAN_CHECK=1` (any backend; NCCL also reads `TORCH_NCCL_NAN_CHECK`), off by default | a collective first checks its input; the rank holding a NaN raises "NaN found in input tensor." | works: bug 7 below |
 # | the flight recorder | **on by default** (above). On NCCL dumped on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_ENABLE_MONITORING`: on by default, `ProcessGroupNCCL.cpp`) to `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) plus the rank, by default `~/.cache/torch/comm_lib_trace_rank_<rank>` (`$XDG_CACHE_HOME/torch/…` when set; checked below), merged with `torchfrtrace` | records on gloo too, with which calls finished (bug 2 above); the automatic dump on timeout is NCCL-only |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
 # | `py-spy dump --pid PID` | the Python stack of a running process, from outside (it pauses the process while it reads, unless `--nonblocking`; it needs ptrace permission, which containers often withhold): the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (`diagnose`, section 1) |
@@ -578,7 +603,8 @@ claim("a change of 1e-3 in one weight of a 64×64 layer, at its first position, 
 # 03's hand-made averaging, its lab's part 1 done the simple way — open it after lab 03 passes.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(bugzoo.average_gradients)
+viz.show_code(bugzoo.average_gradients,
+              folded="▶ The reference answer to lab 03's part 1 — open after lab 03 passes")
 
 # %% [markdown]
 # ### Bug 4: a checkpoint resumed on one rank only
@@ -749,7 +775,10 @@ claim("under DDP (forward_sync_buffers=True), after the last step the running st
 # One corrupted sample (an `inf`) reaches rank 1 at step 3 (counted from 0: the fourth; bug 5
 # counted steps *taken*). Its loss stays finite (tanh turns the inf into ±1; printed below), but its
 # gradient is NaN; the all-reduce sums it into every rank's gradient, and from then on every rank's
-# weights are NaN. Looking at any single rank after the fact, you cannot tell where it started. The
+# weights are NaN. Looking at any single rank after the fact, you cannot tell where it started,
+# unless torch's own check was on (it is off by default): with `TORCH_DIST_NAN_CHECK=1` (any
+# backend; NCCL also reads `TORCH_NCCL_NAN_CHECK`), a collective first checks its input, and
+# the rank holding a NaN raises "NaN found in input tensor." (all_reduce, run below). The
 # detector looks at each rank's *local* values — here the gradient norm, before the reduction — and
 # names the first. The fix skips the step on every rank when any rank's gradient is non-finite:
 # `all_ranks_finite` gives every rank one verdict. That code, part of lab 10's stretch, is folded
@@ -774,6 +803,28 @@ claim("fixed (all ranks skip a step when any rank's gradient is non-finite): onl
       detectors.first_nonfinite(fixed_local) == (3, [1])
       and detectors.first_nonfinite([r[4:] for r in fixed_local]) is None
       and all(math.isfinite(v) for v in zoo[0]["nan"][True]["eval_loss"]))
+
+
+# %%
+def nan_checked(rank, world_size):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["TORCH_DIST_NAN_CHECK"] = "1"     # read when the group is created
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.tensor([float("nan") if rank == 1 else 1.0]))
+
+
+try:
+    launch.spawn(nan_checked, world_size, timeout=30, show_output=False)
+except launch.RankFailedError as e:
+    nan_error = e
+print(f"rank {nan_error.rank} failed:", nan_error.summary.splitlines()[0])
+claim("with TORCH_DIST_NAN_CHECK=1, on gloo, the rank whose input holds the NaN (rank 1) is the "
+      "one that raises, in its all_reduce", nan_error.rank == 1
+      and "NaN found in input tensor" in nan_error.summary and "all_reduce" in nan_error.failures[1])
 
 # %%
 viz.show(viz.nan_spread_figure(local, {"broken": zoo[0]["nan"][False]["eval_loss"],
@@ -900,9 +951,11 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 
 # %% [markdown]
 # ## 5. On your own scripts: `python -m dpcourse diagnose`
-# Everything in section 2 works on a torchrun-style script, unchanged (on gloo; the stuck-call
-# report needs blocking calls, section 1): `diagnose` starts it on N
-# local ranks with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, traces
+# Section 2's trace, hang report and stack dumps work on a torchrun-style script, unchanged (on
+# gloo; the stuck-call report needs blocking calls, section 1). Two of its options do not: the
+# command has no monitored barrier (`monitor=`), and a script sets up its own group, so give
+# its `init_process_group` the `timeout` (`group_timeout=` is for worker functions).
+# `diagnose` starts it on N local ranks with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, traces
 # its collectives, bounds it with `--timeout`, and dumps the stuck ranks' stacks. Options go
 # before the script; `--detail` adds `TORCH_DISTRIBUTED_DEBUG=DETAIL`, `--json` prints the
 # report for tools, and `--cpu` runs a script written for GPUs (NCCL, `.cuda()`, `device_ids`)
@@ -971,9 +1024,8 @@ def excerpt(first, last):  # analyze's lines from the one with `first` to the ne
 
 
 viz.show_code(script_checks.Watch._set_epoch,
-              "# script_checks.analyze, the set_epoch finding (es: one rank's events; by_data:\n"
-              "# its shuffled sampler reads that trained, grouped by data set and seed)\n"
-              + excerpt("set_calls = [", "lesson 10, bug 8"),
+              "# script_checks.analyze, the set_epoch finding (es: one rank's events)\n"
+              + excerpt("# a sampler read counts as training", "lesson 10, bug 8"),
               script_checks.Watch._reported,
               "# script_checks.analyze, the rank0_loss finding (synced: the script called\n"
               "# init_process_group; unused: all_reduce lines whose result nothing reads)\n"
@@ -1001,14 +1053,19 @@ claim("a heuristic on text: 'epoch 1 loss 0.512' and 'train loss=0.3' count as a
       heard=heard)
 
 # %% [markdown]
-# **▶ The wrappers behind these rules** (folded below): `Watch._collective` notes a
+# **▶ The wrappers behind these rules** (folded below): `Watch._sampler_iter` notes each
+# sampler read (its epoch, shuffle, seed, data set, whether gradients are on, and which loader
+# read it), `_loader_iter` and `_backward` count the backward calls during each loader read
+# (`analyze` counts a read as training when there was one); `Watch._collective` notes a
 # `small_reduce` for an all-reduce of 1 to 4 elements; `Watch._save` notes `prefixed`, which
 # `module_prefix` reads.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 from dpcourse import script_watch
 
-viz.show_code(script_checks.Watch._collective, script_checks.Watch._save,
+viz.show_code(script_checks.Watch._sampler_iter, script_checks.Watch._loader_iter,
+              script_checks.Watch._close_reading, script_checks.Watch._backward,
+              script_checks.Watch._collective, script_checks.Watch._save,
               inspect.getsource(script_watch._module_prefixed))
 
 # %% [markdown]
@@ -1082,19 +1139,12 @@ claim("and the script itself ran to the end on both ranks",
 # </details>
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-# Two weight vectors that differ, with the same checksum: +2δ at position 1, −δ at position 2
-# (δ a power of two, so every sum below is exact in floating point).
-a = torch.nn.Linear(4, 1, bias=False)
-b = torch.nn.Linear(4, 1, bias=False)
-with torch.no_grad():
-    a.weight.copy_(torch.tensor([[0.25, 0.5, 0.75, 1.0]]))
-    b.weight.copy_(a.weight)
-    b.weight[0, 0] += 2 * 2.0 ** -9
-    b.weight[0, 1] -= 2.0 ** -9
-claim("the weights differ, yet the checksums are equal: a checksum can miss a difference",
-      not torch.equal(a.weight, b.weight)
-      and detectors.compare_checksums([detectors.state_checksums(a),
-                                       detectors.state_checksums(b)]) == [])
+viz.show_code(bugzoo.checksum_collision,
+              folded="▶ The run's code — open after your lab passes")
+with viz.folded_output("▶ Its claim — open after your lab passes"):
+    collision = bugzoo.checksum_collision()
+    claim("the run gives what the folded text above says", collision == (False, []),
+          collision=collision)
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes**: bug 7's
@@ -1114,7 +1164,7 @@ viz.show_code(bugzoo.all_ranks_finite,
 # | a checkpoint loaded on one rank after DDP's constructor | replicas never agree | weight checksums across ranks | every rank loads it (or load before wrapping) |
 # | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
 # | BatchNorm statistics per rank | checkpoints and, without DDP's buffer sync, evaluations differ | buffer checksums | SyncBatchNorm (CUDA, HPU, XPU or PrivateUse1 input, in training); averaged buffers agree, but their variance is not the global batch's; DDP's buffer sync leaves them apart after the last step |
-# | NaN on one rank | NaN everywhere | first non-finite *local* value | check finiteness together, skip together |
+# | NaN on one rank | NaN everywhere | first non-finite *local* value; `TORCH_DIST_NAN_CHECK=1` | check finiteness together, skip together |
 # | forgotten `set_epoch` | same order every epoch | repeated epoch orders | `sampler.set_epoch(epoch)` |
 # | unused parameter | DDP fails at step 2 | `unused_parameters` | remove it; `static_graph=True` if the same parameters are unused at every step and no control flow depends on the iteration; else `find_unused_parameters=True` (a graph walk every step) |
 # | every rank saves the checkpoint | racing writers | `record_saves` + `duplicate_writers` | rank 0 saves, barrier |
@@ -1124,72 +1174,20 @@ viz.show_code(bugzoo.all_ranks_finite,
 #   differ, and the rank still inside a call. Bound every run with a timeout while you look.
 # - The silent bugs need a comparison across ranks: checksums of weights, gradients and
 #   buffers, or each rank's local values before a reduction.
-# - Each detector fired on its bug above and stayed quiet on the fix.
+# - Each detector fired on its bug above, and most stayed quiet on the fix. Two did not, by
+#   design: bug 7's still names the bad batch's own gradient (the fix skips that step; nothing
+#   is non-finite after it), and bug 9's still names `head_b`, which the fix
+#   (`find_unused_parameters=True`) keeps: there the proof is that DDP runs.
 #
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-viz.quiz([
-    {"q": "A 2-rank job hangs. Rank 0's stack shows it inside `dist.all_reduce`; rank 1 has "
-          "returned from its training function. Which bug is the most likely?",
-     "options": ["A NaN in rank 1's gradients",
-                 "A collective that rank 1 never calls (a rank-0-only branch, or rank 1 left "
-                 "the loop earlier)",
-                 "A forgotten set_epoch"],
-     "answer": 1,
-     "why": ["A NaN does not block a collective: it travels through it.",
-             "Right: rank 0 waits for a partner that will never come. (Rank 1's process is "
-             "still running: had it exited, gloo would have failed rank 0 within seconds with "
-             "'Connection closed by peer'.)",
-             "That changes the data order, not which collectives run."]},
-    {"q": "Every rank logs exactly the same loss, yet the weight checksums differ across "
-          "ranks after step 1. What happened?",
-     "options": ["The loss was all-reduced and backpropagated; the gradients were never "
-                 "averaged",
-                 "The sampler gave the ranks overlapping samples",
-                 "The collective order differs"],
-     "answer": 0,
-     "why": ["Right: a rank's weights enter the averaged loss only through its own term, so "
-             "each rank steps its own gradient / N.",
-             "Overlapping samples change what is learned, not whether the replicas agree.",
-             "That would hang or fail, not run on quietly."]},
-    {"q": "All ranks' losses are NaN. How do you find where it started?",
-     "options": ["Look at rank 0's weights",
-                 "Record each rank's local loss or gradient norm *before* the all-reduce and "
-                 "find the first non-finite one",
-                 "Set NCCL_DEBUG=INFO"],
-     "answer": 1,
-     "why": ["After the all-reduce every rank is NaN alike.",
-             "Right: that names the rank and the step (and then the batch).",
-             "NCCL_DEBUG shows the transport, not the values."]},
-    {"q": "On NCCL (default settings), after DDP's constructor has run on both ranks, rank 1 "
-          "never joins one of rank 0's all_reduce calls. Where does rank 0's program stop?",
-     "options": ["Inside dist.all_reduce, which raises at the timeout",
-                 "Nowhere in particular: all_reduce returned at once; Python runs on until it "
-                 "needs the result, and at the timeout the watchdog aborts the whole process",
-                 "It never stops: NCCL has no timeout"],
-     "answer": 1,
-     "why": ["That is gloo's behaviour (and NCCL's with TORCH_NCCL_BLOCKING_WAIT=1, or a "
-             "timeout given to work.wait).",
-             "Right: the communicator exists (DDP's constructor broadcast formed it), so NCCL "
-             "only queues the work; the watchdog thread tears the process down. (Had this been "
-             "the group's first NCCL collective, rank 0 would block inside the call, forming "
-             "the communicator.)",
-             "NCCL's default timeout is 10 minutes; the watchdog enforces it."]},
-    {"q": "Which of these does TORCH_DISTRIBUTED_DEBUG=DETAIL catch?",
-     "options": ["Ranks calling different collectives, or with different shapes, or a rank "
-                 "that never calls one",
-                 "Replicas with different initial weights",
-                 "Two ranks writing the same file"],
-     "answer": 0,
-     "why": ["Right: before each collective it runs a monitored barrier and compares the "
-             "call's fingerprint across the ranks — on every call, so it costs time.",
-             "The collectives match; only the values differ: a checksum finds it.",
-             "File writes are not collectives."]},
-])
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("10"))
 
 # %% [markdown]
 # ## Sources
@@ -1252,7 +1250,28 @@ viz.quiz([
 #   ranks"); `components/utils.py` — "Not all ranks joining collective" with `missing_ranks`;
 #   `components/types.py` — `MatchState`: `COLLECTIVE_TYPE_MISMATCH`, `SIZE_OR_SYNTAX_MISMATCH`.
 # - `torch/distributed/constants.py` — `default_pg_timeout` (30 minutes for gloo) and
-#   `default_pg_nccl_timeout`.
+#   `default_pg_nccl_timeout`; `torch/distributed/distributed_c10d.py` —
+#   `_get_default_timeout(backend)`: `default_pg_nccl_timeout` only `if backend ==
+#   Backend.NCCL`, `default_pg_timeout` for every other string, `"cpu:gloo,cuda:nccl"`
+#   included; `init_process_group` calls it when given no `timeout` (claimed above).
+# - `torch/distributed/distributed_c10d.py` — `_new_process_group_helper`: with
+#   `TORCH_DIST_NAN_CHECK=1` ("Backend-agnostic NaN checking … ProcessGroupNCCL consumes
+#   TORCH_NCCL_NAN_CHECK itself") it calls `NanCheckHook.attach(pg)`;
+#   `torch/_C/_distributed_c10d.pyi` — `NanCheckHook`; `torch/lib/libtorch_cpu.so` — the
+#   hook's code (upstream `hooks/NanCheckHook.cpp`, not installed) and its message "NaN found
+#   in input tensor." (run under bug 7); `ProcessGroupNCCL.hpp` — `TORCH_NCCL_NAN_CHECK`,
+#   `enableNanCheck_`.
+# - `torch/distributed/debug/__init__.py` — `start_debug_server(..., dump_dir, dump_interval=60.0,
+#   ...)`: experimental, needs Jinja2 and aiohttp; every rank starts a worker server, rank 0
+#   the frontend, which with `dump_dir` dumps periodically; `torch/distributed/debug/_frontend.py`
+#   — `PeriodicDumper._run` writes each enabled handler's dump to
+#   `<name>_<timestamp>.txt` every `dump_interval`; `torch/distributed/debug/_debug_handlers.py`
+#   — `StacksHandler.dump` (every rank's `dump_traceback`), `FlightRecorderHandler.dump` (every
+#   rank's `fr_trace_json`, the nav link "FlightRecorder CPU", plus the NCCL one where there is
+#   one); the default `enabled_dumps` are `stacks`, `fr_trace` and `torchcomms_health_check`.
+# - `lib/dpcourse/__main__.py` — `diagnose`'s options: `--nproc`, `--timeout`, `--detail`,
+#   `--cpu`, `--json` (no monitored barrier, no group timeout); `lib/dpcourse/detectors.py` —
+#   `diagnose`: `group_timeout` is for worker functions only.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__` broadcasts rank
 #   0's parameters and buffers (`_sync_module_states`) under `if init_sync:` (default True; its
 #   docstring: with False "the user is required to ensure themselves that the weights are the

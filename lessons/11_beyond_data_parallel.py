@@ -672,7 +672,7 @@ viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
 #
 # Section 1's sequence-parallel count, everything divided by t, is Megatron-LM's: its layers
 # keep only a rank's share even of the matmuls' inputs, at the price of more communication
-# in the backward. torch's layout saves more (the folded run measures it); section 5's
+# in the backward. torch's layout stores more (the folded run measures it); section 5's
 # planner prices neither, running without sequence parallelism.
 
 # %% [markdown]
@@ -943,7 +943,9 @@ claim(f"and the bytes follow: on stage k 1F1B keeps min(K − k, M)/M of GPipe's
 
 # %%
 viz.show_code(pipeline_parallel.torch_pipelining_worker,
-              pipeline_parallel.compare_with_torch_pipelining)
+              pipeline_parallel.compare_with_torch_pipelining,
+              folded="▶ torch's pipeline worker and the comparison — open after lab 11's "
+                     "stretch passes")
 
 # %%
 versus = pipeline_parallel.compare_with_torch_pipelining(stages, m_show, "1f1b", timeout=120)
@@ -984,8 +986,10 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 #
 # </details>
 #
-# **▶ Both, read and run here** (a `P2POp` needs a process group: one of a single rank; a
-# `before` hook refuses the batch once both of its ops are recorded, so nothing is sent):
+# **▶ Both, read and run here, with `_real` (the op under the wrappers) and lesson 10's
+# `Recorder.run`, which logs every call and runs its `before` hooks before the real one** (a
+# `P2POp` needs a process group: one of a single rank; a `before` hook refuses the batch once
+# both of its ops are recorded, so nothing is sent):
 
 # %% jupyter={"source_hidden": true}
 import torch.distributed as dist
@@ -993,7 +997,8 @@ from torch.distributed.pipelining import schedules
 
 from dpcourse import collectives
 
-viz.show_code(collectives.p2pop_unwrapping, collectives.Recorder.wrap_batch)
+viz.show_code(collectives.p2pop_unwrapping, inspect.getsource(collectives._real),
+              collectives.Recorder.wrap_batch, collectives.Recorder.run)
 
 
 class Refused(Exception):
@@ -1205,12 +1210,12 @@ print(f"the six fastest are within {spread:.1%} of each other; with PP GB divide
       f"(scatter-gather) the fastest would be t = {sg['tp']}, p = {sg['pp']} at {sg_s:.2f} s, "
       f"{1 - sg_s / best['time_s']:.1%} below this ranking's best")
 zero3_rows = [r for r in options if r["stage"] == "zero3" and r["dp"] > 1]
-claim(f"ZeRO-3's DP msgs = 3 × (layers / p) × M: it gathers twice and reduce-scatters once per "
-      f"layer and micro-batch (lesson 08's 2k all-gathers at k micro-batches), and none of its "
-      f"{len(zero3_rows)} rows that fit is among the six fastest",
-      all(r["dp_messages"] == 3 * model.layers // r["pp"] * r["micro_batches"]
-          for r in zero3_rows) and len(zero3_rows) > 0
-      and all(r["stage"] != "zero3" for r in options[:6]))
+z3 = zero3_rows[0]
+print(f"ZeRO-3's DP msgs, plan_row's formula: 3 × (layers / p) × M = 3 × {model.layers // z3['pp']}"
+      f" × {z3['micro_batches']} = {z3['dp_messages']} (two gathers, one reduce-scatter per layer "
+      "and micro-batch: lesson 08's 2k all-gathers at k micro-batches)")
+claim(f"none of ZeRO-3's {len(zero3_rows)} rows that fit is among the six fastest",
+      len(zero3_rows) > 0 and all(r["stage"] != "zero3" for r in options[:6]))
 claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
       "tensor-parallel collectives per micro-batch — the count lab 11 derives; the folded cell "
       "above shows it (planner.TP_MESSAGES_PER_LAYER, checked against section 2's run), with "
@@ -1289,10 +1294,10 @@ labels = [f"best t = {r['tp']}: p = {r['pp']}, D = {r['dp']}, {r['stage']}"
           for r in best_per_t.values()] + [f"published: t = {pub['tp']}, p = {pub['pp']}, "
                                            f"D = {pub['dp']}, {pub['stage']}"]
 fill = [r["compute_s"] * r["idle_over_work"] for r in best_per_t.values()]
-claim("every configuration computes the same flops in the same time; what the best row of "
-      f"each t loses to the pipeline's fill and drain falls as t grows: "
-      f"{', '.join(f'{s:.1f}' for s in fill)} s",
-      len({round(r["compute_s"], 9) for r in options}) == 1 and fill == sorted(fill, reverse=True))
+print(f"compute, by plan_row's formula the same for every row (8Ψ flops per token, all GPUs): "
+      f"{options[0]['compute_s']:.1f} s")
+claim("what the best row of each t loses to the pipeline's fill and drain falls as t grows: "
+      f"{', '.join(f'{s:.1f}' for s in fill)} s", fill == sorted(fill, reverse=True))
 viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
          "Where the planner's ranking comes from: the compute (dark grey) is the same for "
          "every row; small t leaves the GPUs to pipeline stages, whose fill and drain (light "
@@ -1423,64 +1428,13 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #
 # ## Check yourself
 #
-# **▶ The quiz** — run the folded cell below and answer in the widget; its code holds the answers,
-# so it stays folded.
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
 
 # %% jupyter={"source_hidden": true}
-viz.quiz([
-    {"q": "ZeRO-3 on 4096 GPUs holds 0.7 GB of GPT-3's model state per GPU. Why can it still "
-          "not train it at batch 1 without recomputation?",
-     "options": ["The all-gathers need the whole model at once",
-                 "Each GPU runs whole layers on a whole sequence: 275 GB of activations (82 GB "
-                 "with flash attention, over the 85.9 GB with ZeRO-3's working set), which no "
-                 "number of data-parallel ranks divides",
-                 "Adam's state is not sharded by ZeRO-3"],
-     "answer": 1,
-     "why": ["Only one or two layers' weights at a time (its working set).",
-             "Right: activations belong to the micro-batch, not the model.",
-             "It is: ZeRO-3 shards all 16 bytes."]},
-    {"q": "A tensor-parallel MLP's micro-batch doubles from 1 to 2 sequences. What happens to "
-          "the bytes its all-reduces carry, and to the bytes DDP all-reduces for the same MLP?",
-     "options": ["Both double",
-                 "Tensor parallelism's double; DDP's stay the same",
-                 "DDP's double; tensor parallelism's stay the same"],
-     "answer": 1,
-     "why": ["DDP all-reduces gradients, whose size is the model's.",
-             "Right: tensor parallelism sums activations (tokens × d), DDP gradients (Ψ).",
-             "It is the other way round."]},
-    {"q": "In the tensor-parallel MLP, what does the GeLU between the two layers need from "
-          "the other ranks?",
-     "options": ["Nothing: it acts on each feature alone, so the block is all it needs",
-                 "All of their hidden features: they are all-gathered before it",
-                 "Their partial sums: it is linear, so it commutes with the sum"],
-     "answer": 0,
-     "why": ["Right: an element-wise function of a block is the block of the function.",
-             "Nothing is gathered between the two layers.",
-             "GeLU is not linear; that is why it must come before the sum, not after."]},
-    {"q": "A GPipe pipeline of 8 stages. How many micro-batches keep the bubble — the idle "
-          "share of the step, (K−1)/(M+K−1), as section 3 measures it — under 10 %?",
-     "options": ["8", "32", "64"],
-     "answer": 2,
-     "why": ["7/15 ≈ 47 %.", "7/39 ≈ 18 %.",
-             "Right: 7/71 ≈ 9.9 %. By Narayanan et al.'s bubble fraction, (p−1)/m, idle time "
-             "over compute time (the planner's idle_over_work column), 64 give 7/64 ≈ 10.9 %: "
-             "under 10 % takes 71 there."]},
-    {"q": "Why does Megatron-LM keep tensor parallelism inside a node?",
-     "options": ["It needs more memory than pipeline parallelism",
-                 "Its all-reduces happen in every layer, mostly on the critical path, so they "
-                 "need the node's fast links (NVLink), not the network",
-                 "DTensor cannot span nodes"],
-     "answer": 1,
-     "why": ["It saves memory.", "Right: four all-reduces per layer per micro-batch.",
-             "It can; it is just slow."]},
-    {"q": "Data parallelism on 32 ranks of 16 examples, B_noise ≈ 60. Doubling to 64 ranks "
-          "cuts the steps by about…",
-     "options": ["2×", "1.06×", "0.5×"],
-     "answer": 1,
-     "why": ["Only far below B_noise.",
-             "Right: (1 + 60/512)/(1 + 60/1024) ≈ 1.06.",
-             "More ranks never need more steps in this model."]},
-])
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("11"))
 
 # %% [markdown]
 # ## Sources
@@ -1489,28 +1443,18 @@ viz.quiz([
 #
 # - `torch/distributed/tensor/parallel/api.py` — `parallelize_module`: applies a style to each
 #   named submodule of the plan.
-# - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel` (its placements of input,
-#   weight, bias and output, printed in section 2's folded cells; `_prepare_input_fn`, torch's
-#   *f*); `RowwiseParallel` (the same; `_prepare_output_fn`, torch's *g*); both styles'
-#   hooks redistribute with `async_op=True`.
-# - the same file — `ColwiseParallel(input_layouts=Shard(0))` and
-#   `RowwiseParallel(output_layouts=Shard(0))`, sequence parallelism's layout: the hooks
-#   redistribute between `Shard(0)` and the layer's own placements (the comment in
-#   `RowwiseParallel._prepare_output_fn`; what each costs is counted in section 2's folded
-#   sequence-parallelism cell).
-# - `torch/distributed/tensor/_api.py` — `_FromTorchTensor.backward` (the backward of
-#   `DTensor.from_local`) (what it does for *f*: section 2's folded answer).
-# - `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward` (what it does for
-#   *g*: section 2's folded answer).
+# - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel`, `RowwiseParallel` (their
+#   placements of input, weight, bias and output, printed in section 2's folded cells; where
+#   their hooks communicate, and sequence parallelism's layout: the folded part below).
+# - `torch/distributed/tensor/_api.py` — `DTensor.from_local`;
+#   `torch/distributed/tensor/_redistribute.py`; `torch/distributed/tensor/placement_types.py`
+#   — `Partial`; `torch/distributed/_functional_collectives.py` (what each does for *f* and
+#   *g*: the folded part below).
 # - `torch/_inductor/config.py` — `_micro_pipeline_tp` (async tensor parallelism, off by
 #   default); `torch/_inductor/fx_passes/micro_pipeline_tp.py` — `micro_pipeline_tp_pass`
 #   (which collectives it matches: the folded part of these sources);
 #   `torch/distributed/_symmetric_memory/__init__.py` — the ops it fuses into (a collective cut
 #   into pieces that overlap their matmul).
-# - `torch/distributed/_functional_collectives.py` — `AsyncCollectiveTensor`: a functional
-#   collective's result that calls `wait` before its first use (`__torch_dispatch__` unwraps
-#   it with `trigger_wait` for any op but a view): `RowwiseParallel`'s `async_op=True`
-#   overlaps nothing in eager mode.
 # - `torch/distributed/device_mesh.py` — `init_device_mesh` (a mesh of a shape, with
 #   `mesh_dim_names`), `DeviceMesh.__getitem__` (a sub-mesh by name), `DeviceMesh.get_group`,
 #   `get_local_rank`.
@@ -1559,10 +1503,6 @@ viz.quiz([
 #   backward, the weights included, a tensor saved twice seen twice (section 1 counts what
 #   `pack` sees; section 3's `saved_bytes_counter` counts a tensor saved twice once, by its
 #   start address, and leaves the weights' storages out).
-# - `torch/distributed/tensor/placement_types.py` — `Partial._reduce_value`: a Partial DTensor
-#   becomes Replicate through `funcol.all_reduce`, a functional collective
-#   (`torch/distributed/_functional_collectives.py`), which our recorder sees as
-#   `funcol.all_reduce`.
 # - `torch/_functorch/apis.py` — `vmap`, `grad`; `torch/_functorch/functional_call.py` —
 #   `functional_call` (per-example gradients).
 #
@@ -1609,15 +1549,34 @@ viz.quiz([
 # bubble); McCandlish et al., *An Empirical Model of Large-Batch Training*, 2018 (the noise
 # scale, appendix A); Rajbhandari et al., *ZeRO*, SC 2020.
 #
-# **▶ The sources of Megatron-LM's overlap and of async tensor parallelism's patterns — open
-# after your lab passes** (they say which collective each pass makes; click the folded cell
-# below).
+# **▶ The sources of torch's *f* and *g*, Megatron-LM's overlap and async tensor parallelism's
+# patterns — open after your lab passes** (they say which collective each pass makes; click
+# the folded cell below).
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
 #
 # ### Sources, continued
 #
+# - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel._prepare_input_fn`
+#   (torch's *f*) and `RowwiseParallel._prepare_output_fn` (torch's *g*); both styles' hooks
+#   redistribute with `async_op=True`. `ColwiseParallel(input_layouts=Shard(0))` and
+#   `RowwiseParallel(output_layouts=Shard(0))`, sequence parallelism's layout: the hooks
+#   redistribute between `Shard(0)` and the layer's own placements (the comment in
+#   `RowwiseParallel._prepare_output_fn`; what each costs: section 2's folded
+#   sequence-parallelism cell).
+# - `torch/distributed/tensor/_api.py` — `_FromTorchTensor.backward` (the backward of
+#   `DTensor.from_local`; what it does for *f*: section 2's folded answer);
+#   `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward` (what it does for
+#   *g*: the same).
+# - `torch/distributed/tensor/placement_types.py` — `Partial._reduce_value`: a Partial DTensor
+#   becomes Replicate through `funcol.all_reduce`, a functional collective
+#   (`torch/distributed/_functional_collectives.py`), which our recorder sees as
+#   `funcol.all_reduce`.
+# - `torch/distributed/_functional_collectives.py` — `AsyncCollectiveTensor`: a functional
+#   collective's result that calls `wait` before its first use (`__torch_dispatch__` unwraps
+#   it with `trigger_wait` for any op but a view): `RowwiseParallel`'s `async_op=True`
+#   overlaps nothing in eager mode.
 # - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel.__init__` sets
 #   `desired_input_layouts = (Replicate(),)` and `_prepare_input_fn` redistributes a
 #   `Shard(0)` input to it before the matmul, so autograd saves the gathered input (section

@@ -69,19 +69,19 @@ torch.set_num_threads(1)
 # least one of them.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # What does `p.grad` hold when `backward()` runs for the second batch, if nothing touched it
 # after the first? Is the epoch's mean loss per sample always the mean of the batches'
 # losses? Between the end of one step and the next `backward()`, what does `p.grad` hold, and
 # which move is the first to change it? And is NaN the only float32 value a loss can take that
 # no step should ever use?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Per batch: forward, the loss, backward, step, and a clearing of the gradients somewhere
 # before the backward. The last step's gradient is part of what the caller must find, so the
 # clearing counts as a change the guard must come before. For the return value, count samples, not batches: a batch's mean loss stands for as many
@@ -90,11 +90,12 @@ torch.set_num_threads(1)
 # (a mean over no counted sample is 0/0), and it need not show in the gradients: the one
 # number that always shows it is the loss itself, known before `backward()`. A loss can also
 # overflow to inf while the gradients stay finite: Adam squares them into its state.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # ```
 # <the mode a training function needs>
 # <totals for a mean per sample>
@@ -107,6 +108,8 @@ torch.set_num_threads(1)
 #     <this batch's share of the totals>
 # return <the mean per sample>
 # ```
+#
+# </details>
 
 # %%
 def train_one_epoch(model, loader, loss_fn, optimizer, device):
@@ -143,12 +146,13 @@ lab01.check_train_one_epoch(train_one_epoch)
 # how far each step moved the weights, and says why.
 
 # %% [markdown]
-# **▶ Hint — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint — a question</summary>
+#
 # The step is the learning rate times the gradient of the batch's loss. That loss is a mean:
 # over which samples, divided by what? And when the samples share nothing, what happens to a
 # mean of 16 samples' gradients that does not happen to a mean of 2?
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: my_step_guess = "smaller", "about the same" or "larger"
@@ -187,17 +191,17 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 # chose.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # What do dropout and batch norm do differently in training, and which of their behaviours is
 # the one a test set should see? What is autograd doing during a forward pass that nobody will
 # ever call `backward()` on?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Switch to the test-time behaviour before the first forward, and turn autograd's recording off
 # for the whole loop. Count correct predictions and summed loss over samples, and divide once
 # at the end. If you chose "as found", each module's mode is in its own `.training`: read them
@@ -205,11 +209,12 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 # chose "eval", the same question faces `back_to_training`: which layers does switching the
 # whole model to training reach, and which call has the last word on a frozen one? And an
 # exception leaves a function at the line that raised: which of your lines still run then?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # ```
 # <what your decision needs to have read, before anything changes>
 # <the test-time mode>
@@ -227,6 +232,8 @@ lab01.check_step_prediction(step_guess, train_one_epoch)
 #     <the mode the loop trains in, for the whole model>
 #     <then the frozen modules' own mode, each with everything inside it>
 # ```
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: evaluate_leaves_model_in = "eval" or "as found"
@@ -278,19 +285,21 @@ lab01.check_evaluate(evaluate, leaves=evaluate_leaves_model_in,
 # `"about the same"` (within 10%)? Write your choice, run the cell, then the measurement.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Each number is the loss of some model on these samples. Which model, in each case — and is
 # it the same model for every batch?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Think of when each batch's loss was taken, and what the network was like at that moment;
 # then ask whether anything else that differs between the two functions matters for this
 # model.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: my_guess = "train_one_epoch's", "evaluate's" or "about the same"
@@ -370,19 +379,19 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # same size.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # `backward()` adds into `p.grad`. After the backwards of a group's micro-batches, what does
 # `p.grad` hold, compared with the gradient of one mean over all the group's samples? Write the
 # group's mean loss as a sum over its micro-batches: what does each micro-batch's mean stand for?
 # And when the loop over the loader ends, which samples has no step used yet, and where is their
 # gradient?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The group's mean is a weighted sum of its micro-batches' means, each weighted by the share of
 # the group's samples it holds — so you need the group's sample count before its gradient is
 # complete (either before the backwards, or by rescaling the summed gradient before the step).
@@ -390,11 +399,12 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # loss you report is the model's loss on the samples, not the scaled number you backpropagated.
 # A leftover is a group that never reaches k: whatever step its samples end up in, that step's
 # mean is over the samples it used, and no gradient may wait in `p.grad` unused.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # ```
 # <the mode a training function needs>; <p.grad cleared once>
 # for each micro-batch, knowing its place in its group:
@@ -407,6 +417,8 @@ claim("test accuracy is above 30% (chance is 10%)", accs[-1] > 0.3, accs=accs)
 # <the micro-batches left over: your decision, within the contract>
 # return <the mean per sample>
 # ```
+#
+# </details>
 
 # %%
 def train_accumulated(model, loader, loss_fn, optimizer, k, device):

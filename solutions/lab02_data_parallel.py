@@ -60,27 +60,30 @@ torch.set_num_threads(1)
 # sizes. Write your choice in `chunk_sizes`; the check holds your `scatter` to it.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # For 10 samples on 4 devices, which sizes does each choice give? Which sample goes to which
 # device, if the outputs are to line up with `y` after `gather`?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Work out the list of sizes first (its length is the number of chunks, never zero-sized
 # entries), then cut `X` along its first dimension at the running totals of that list. Torch
 # has functions that cut a tensor into pieces of given sizes, or into a given number of pieces.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Three steps, in this order: turn away the inputs the contract refuses; decide the list of
 # chunk sizes from B and N alone (how many entries, what they add up to, which ones are
 # larger); cut `X` once, along dim 0, at those sizes.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: your choice: "like DataParallel" or "balanced"
@@ -124,20 +127,22 @@ lab02.check_idle_prediction(idle_guess, scatter, sizes=chunk_sizes)
 # batch as it would for the plain model. The check tries both kinds of output.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Each output has shape (chunk size, classes). Along which dimension do the devices' outputs
 # differ, and along which do they agree? When each device returns `(logits, features)`, which
 # of the tensors in `outputs` belong together in the caller's `logits`?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Join them end to end along the samples' dimension, keeping the list's order; no new dimension.
 # For tuples, do that once per position: every device's logits into one batch, every device's
 # features into another, and hand the results back in the tuple's order.
+#
+# </details>
 
 # %%
 def gather(outputs):
@@ -163,19 +168,21 @@ lab02.check_gather(gather)
 # plain copies and measures it.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # The mean over 10 samples is a sum of 10 terms, each divided by 10. Which of those terms does
 # the last copy's backward differentiate?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A copy's gradient is the gradient of its own chunk's terms of the one mean, divided by the
 # whole batch's size. With identical samples, every term has the same gradient: how many terms
 # does the last copy hold?
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: set my_guess to your prediction (a number)
@@ -226,35 +233,38 @@ lab02.check_held_prediction(held_guess)
 # function to a module with state of its own.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # After the backward, where are the gradients — on `model`, or on the copies? What did your
 # prediction in §3 say about how the copies' gradients relate to the whole batch's? What may
 # `model` hold in `p.grad` when your function is called, and what does a copy start with? And
 # the buffers the forwards wrote: on which modules are they, and which of those writes does
 # `nn.DataParallel` leave on the module?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # One copy per chunk your `scatter` returns (print a fresh copy's `p.grad` if unsure what it
 # starts with); one loss on the gathered outputs and one backward; then, parameter by
 # parameter, combine what the copies received and add it to what `model` held, starting from
 # nothing where `p.grad` is `None`. For the buffers: in `nn.DataParallel` one replica is not a
 # copy at all — it shares the module's storage; plain copies share nothing, so what that
 # replica's forward wrote is yours to bring back.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Four stages, in this order. Cut and copy: as many copies as chunks. Run and join: the copies
 # on their chunks at once, the outputs as one batch. One loss and one backward. Then bring back:
 # for each of `model`'s parameters, the matching parameter of every copy goes through your rule
 # into `p.grad`, together with what was there; for each of its buffers, the matching buffer of
 # the one copy whose writes `nn.DataParallel` keeps. The value returned is a plain number.
+#
+# </details>
 
 # %%
 def dp_forward_backward(model, X, y, n_devices):
@@ -342,33 +352,36 @@ lab02.check_state_predictions(*state_guesses)
 # still pass), then this one.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Which objects does a replica share with the module, and which does it get of its own? Read
 # `Module._replicate_for_data_parallel` in `torch/nn/modules/module.py`: which dicts are new
 # for the replica? Then, for each of the three lines of the forward above, ask where the result
 # of the line is stored when replica 0 runs it.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Replica 0 is handed the module's own buffer tensors, but in dicts of its own: a write *into*
 # one of those tensors lands in the module; a new tensor (or int) bound to a name lands in the
 # replica's dict and goes when the replica goes. Your copy 0 can be built to hold `model`'s
 # buffer tensors the same way, or your code can keep, before the forward, the tensors copy 0
 # starts with, and afterwards bring back what was written into them.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Either at the copying stage (`copy.deepcopy` takes a memo: a dict from `id(obj)` to the object
 # to use instead of a copy), or in two extra stages: before the forwards, note which tensor
 # copy 0 holds under each buffer name; after the backward, for each name, bring back the values
 # of that noted tensor, whatever copy 0 holds under the name by then. Plain attributes: nothing
 # to do.
+#
+# </details>
 
 # %%
 lab02.check_dp_state(dp_forward_backward)
@@ -416,31 +429,34 @@ claim("your DataParallel step trains: the loss fell", losses[-1] < losses[0], lo
 # `torch.no_grad()`.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Threads finish in any order: how does a result find its place in the list? What state does a
 # new thread start with — does it share what the caller set for itself, such as
 # `torch.no_grad()`? (torch's own `parallel_apply`, in `torch/nn/parallel/parallel_apply.py`,
 # reads some settings in the caller and sets them again in each worker: which, and why would it
 # need to?) Where does an exception raised inside a thread go?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Give each thread its index, and a slot per index for its output and for its error. Read the
 # caller's autograd setting before starting the threads, and apply it inside each one. Start all
 # threads before waiting for any; after waiting for all, raise the first error kept.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Two lists of `None` (outputs, errors); a worker function of `i` that, under the caller's grad
 # mode, stores `replicas[i](inputs[i])` at `i` or catches the exception into its slot; a list
 # of `threading.Thread`s, each started, then each joined; any error raised; the outputs
 # returned.
+#
+# </details>
 
 # %%
 import threading

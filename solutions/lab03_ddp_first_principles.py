@@ -57,33 +57,36 @@ torch.set_num_threads(1)
 # and to defend against the contract.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Which collective of lesson 03 leaves the same combination of every rank's tensor on every
 # rank? How does it know which rank's tensor goes with which — by a name, or by the order of
 # the calls? And can rank 0 tell, from what it holds, whether rank 1 used `never`?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A sum-reduction pairs the ranks' calls by their order only. If rank 0 skips `head_b` and
 # rank 1 skips `head_a`, rank 0's call on `head_a` meets rank 1's call on `head_b`. On a rank
 # that did not use a parameter, its gradient counts as zero (`p.grad` is None there), and that
 # zero still counts in the mean over the ranks, whose size the process group knows. Whether a parameter got a gradient on
 # *some* rank is knowledge spread over the ranks, like the gradients themselves: a reduction
 # can gather it too, before any gradient is sent.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # One small tensor on the gradients' device, one entry per parameter that requires a gradient
 # (the same list on every rank): does this rank hold a gradient for it? One collective on it.
 # Then loop over those parameters: where no rank had one, leave it; where this rank has none,
 # zeros of the parameter's shape; then one collective on `p.grad`, in place, and one division
 # of `p.grad` by the number of ranks, all of them, those without a gradient included.
+#
+# </details>
 
 # %%
 def average_gradients(model):
@@ -123,13 +126,14 @@ for name, p in lab03.part1_model().named_parameters():
     print(f"{name:22s} shape {str(tuple(p.shape)):15s} requires_grad={p.requires_grad}")
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # What does your function hand to each collective call: a layer, a parameter tensor, or a single
 # number? Which of the parameters listed get a call on rank 0 — the head rank 0's batch never
 # went through, `never`, `frozen`? Does anything else cross between the ranks? And how many
 # calls does rank 1 make?
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: my_guess = your prediction (a whole number)
@@ -161,31 +165,34 @@ lab03.check_prediction(guess, measured)
 # one and the gradients stay exactly what part 1 averages.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # In an ordinary single-process step, between which two lines does the gradient become final?
 # What must the ranks agree on at that point — the loss, the weights, or something else? And
 # the loss to return: which rank knows it?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Each rank's backward gives the gradient of its own shard's mean loss. The mean of those
 # gradients over equal shards is the gradient of the global batch's mean loss; once every rank
 # holds it, every rank hands the same gradient to the same optimizer state and applies the same
 # update, whatever that optimizer computes from it. The global loss is the mean of the shards'
 # losses too, but it is a number to report: a copy outside the autograd graph can cross the
 # ranks without touching what the backward computes.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # The four lines of lesson 01's step (clear the gradients, loss, backward, optimizer step), with
 # one call to part 1's function where the gradients must agree; then a detached copy of the
 # loss, one collective on it, a division by the number of ranks, and a Python number out.
+#
+# </details>
 
 # %%
 def data_parallel_step(model, optimizer, X, y):
@@ -229,31 +236,34 @@ lab03.check_data_parallel_step(data_parallel_step)
 # parameter its samples went through, for one they did not, and for one no rank's did.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # With 3 samples on rank 0 and 5 on rank 1, how much does one of rank 0's samples weigh in the
 # global mean loss, and how much does it weigh in rank 0's own mean? What would rank 0 need to
 # know to turn one into the other? And for a head rank 0's samples never went through: do
 # those 3 samples belong to the mean the contract names?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A rank's gradient is a mean over its own samples; scaled by its count it becomes a sum over
 # them, and sums over disjoint samples add up across ranks. The global mean is that total sum
 # over the total number of samples — a number that no single rank has until the ranks share
 # their counts.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # First, every rank learns the total count (a collective on a one-element tensor, or one more
 # entry in part 1's exchange). Then for each parameter that requires a gradient, with part 1's
 # decisions for a missing one: scale this rank's gradient by its own count, sum it across the
 # ranks, and divide by the total — with the result left in the gradient.
+#
+# </details>
 
 # %%
 def average_gradients_weighted(model, n_local):
@@ -305,35 +315,38 @@ bytes_guess = predict("lab03", "bytes of the flat version's call, against the us
                       my_bytes_guess, choices=lab03.BYTES_CHOICES)
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # A collective takes one tensor. How can one tensor carry every gradient of the model, and how
 # will each parameter find its own part again afterwards? And on part 1's model, where rank 0
 # has no `head_b.grad` and rank 1 no `head_a.grad`: which gradient sits at a given offset of
 # rank 0's buffer, and which at the same offset of rank 1's? With one call only, when does a
 # rank learn that no rank used `never`?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Lay every gradient end to end in one 1-D buffer; the reduction is element-wise, so reducing
 # the buffer reduces every gradient at once — element k of every rank's buffer is summed with
 # element k of the others', so every rank must lay out the same parameters in the same order.
 # Whatever else the ranks must add up — part 1's exchange — can ride in the same buffer, since
 # the sum does not care what an element means. Joining tensors makes a copy, so the averaged
 # values must travel back into the gradients, each slice in its parameter's shape.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # For every parameter that requires a gradient, its flattened gradient (zeros where this rank
 # has none), and after them one entry per parameter saying whether this rank had it; one
 # collective and one division on the buffer; then walk the parameters with a running offset:
 # where some rank had the gradient, copy the slice back into it (as a new p.grad where this
 # rank had none); where none did, leave p.grad None.
+#
+# </details>
 
 # %%
 def average_gradients_flat(model):

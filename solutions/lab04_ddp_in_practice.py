@@ -57,34 +57,37 @@ work = Path(tempfile.mkdtemp(prefix="dpcourse-lab04-"))
 # Re-run the cell after each edit: it rewrites `train_lab.py`.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # `macro_f1` is built from each class's precision and recall, each a fraction of some of the
 # images. If rank 0 knows its precision for class 3 and rank 1 knows its own, can the whole
 # set's precision for class 3 be computed from those two numbers alone? If not, what is missing,
 # and how many numbers per class would that be?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Two ranks' fractions over different numbers of images do not combine; their numerators and
 # denominators do: they are counts, and counts over disjoint sets of images add up. Write class
 # c's precision and recall as counts over counts. They share their numerator; their harmonic
 # mean, `2PR / (P + R)`, can be written as one fraction of counts: do it, and count how many
 # different counts per class are left. How you split the images matters too: see lesson 04 §4.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Pieces, in order: this rank's indices of the test set (a `Subset`, from
 # `torch.utils.data`); a zero tensor on `device`, one row per count that Hint 2 left you and
 # one column per class; the model in its test-time mode and a loop, with autograd off, that
 # adds each batch's counts per class into it (`torch.bincount(..., minlength=10)` counts per
 # class); one collective that sums it over the ranks; each class's F1 from the sums (0 where
 # it is undefined), and their mean as a float.
+#
+# </details>
 
 # %%
 # %%writefile {work}/train_lab.py
@@ -214,20 +217,22 @@ lab04.check(work / "train_lab.py", timeout=timeout)
 # first (between 0 and 1), run the cell, then the measurement.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # On one rank, which classes get an F1 of 1? Is there a class that gets something else, and
 # what does `macro_f1` give a class that has no image on that rank and is never predicted
 # there? Then: how many images does each rank hold?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Each rank's macro-F1 is the fraction of the 10 classes that appear among its 12 or 13
 # images. Estimate how many classes a random handful of 12 or 13 images leaves out: the chance
 # that one given class is missing from 13 draws where each draw is of it with probability 1/10.
+#
+# </details>
 
 # %%
 from dpcourse.checks import predict
@@ -314,18 +319,18 @@ my_plan = "weights, optimizer state, epoch, each rank's random state"
 plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUME_PLANS)
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Go through the loop above line by line after epoch 1. Which of the things a line reads are
 # the same on every rank, and which are rank 1's alone? Which of them does the loop rebuild by
 # itself from numbers it already knows, and which depend on everything that happened before
 # the crash? Which of them can rank 0 see when it writes?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The weights and SGD's momentum are the same on every rank (DDP keeps them so), so rank 0's
 # copy stands for all. Dropout draws its masks from a generator, and after the model is built
 # each rank's generator is seeded differently: each rank's state is its own, and it moved
@@ -338,11 +343,12 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # generator, which `torch.get_rng_state` does not hold. And a save can itself be cut short:
 # until the new file is complete, the old one must stay whole where a restart looks (lesson
 # 04, §3).
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Save: every rank contributes its generator states (the CPU's, and `torch.cuda`'s for every
 # device, an empty list without a GPU) to an object collective, which pickles any Python
 # object (`dist.all_gather_object` fills a list, one entry per rank, on every rank;
@@ -351,6 +357,8 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # optimizer's state dict, the epoch, that list. Resume: no file, return 0; else on every rank
 # load the weights into the model inside the wrapper, the optimizer's state, this rank's entry
 # of the list into the generators; return the saved epoch plus one.
+#
+# </details>
 
 # %%
 import torch

@@ -23,7 +23,7 @@
 # decision**: what a step's mean is over).
 #
 # Stuck? Run the check: its sentence names what is wrong. Each part also has hints, folded
-# (click a "▶ Hint" label to open the cell below it): a question first, then the idea, then the
+# (click a "▶ Hint" label to open it): a question first, then the idea, then the
 # shape of the code.
 #
 # **First, the devices.** TensorFlow fixes its devices the first time anything uses them, so
@@ -72,21 +72,23 @@ from dpcourse.checks import lab05, predict
 # cell: part 4 measures it, once you have a model.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # What does `apply_gradients` do with the replicas' gradients (lesson 05 §4), and what happened
 # in the lesson when one replica skipped that call? What does PyTorch's `DistributedSampler` do
 # when the data does not fill every rank — and is there anything in TensorFlow that would do the
 # same?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — where to read**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — where to read</summary>
+#
 # TensorFlow describes this split in a docstring: `_LegacyRebatchDataset`, in
 # `tensorflow/python/data/experimental/ops/distribute.py` (under `site-packages`). Its example
 # cuts 8 samples, batched by 4, over 3 replicas. What does the third replica get in each step?
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: my_guess = your prediction (one of lab05.LAST_STEP_CHOICES)
@@ -119,35 +121,38 @@ guess = predict("lab05", lab05.LAST_STEP_QUESTION, my_guess, choices=lab05.LAST_
 # / `tf.nn.scale_regularization_loss` — this part asks for the decision they hide.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # The strategy adds the N replicas' gradients. For that sum to be the gradient of one mean over
 # the step, what must every replica divide its summed loss by? Which replica knows that number —
 # when one holds 3 samples and another 2, or in an epoch's last step? And when `tf.function`
 # traces the loop once for every step of the epoch, what does the trace know about the size of
 # a batch? The penalty: if every replica adds it, how many times does the sum hold its gradient?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # No replica holds the step's count, but each holds a piece of it: the size of its own slice, a
 # value it can compute while the step runs. Lesson 05 §4 showed how replicas combine values
 # while the step is still running; a number computed in Python (a static shape, a variable of
 # the notebook) is fixed when the step is traced. The penalty does not split like the samples:
 # it is one term, and each replica holds a copy with the same gradient — the parts of it the
 # replicas add must add up to one penalty.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # This replica's sample count as a tensor read from `labels`; that count combined over the
 # replicas by the replica context that `strategy.run` sets up
 # (`tf.distribute.get_replica_context()`); the summed per-example losses divided by the result,
 # cast to their dtype. With a penalty, add this replica's part of it: the penalty over the
 # number of replicas in sync, which the same context holds.
+#
+# </details>
 
 # %%
 def per_replica_loss(labels, logits, penalty=None):
@@ -180,18 +185,18 @@ lab05.check_per_replica_loss(per_replica_loss, strategy)
 # model must begin where `start` is: every replica holds `start`'s current weights.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Lesson 05 §2 made two `tf.Variable`s that looked the same and printed different types. What
 # decided which one became a `MirroredVariable`? Which of the model and the optimizer create
 # variables? And `start`'s variables: when were they created, and can anything make them
 # mirrored now?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A variable is mirrored when it is *created* while the strategy is the current one. The
 # model creates its weights when it is built; the optimizer creates its step counter and its
 # learning rate already in its constructor (`keras/src/optimizers/base_optimizer.py`,
@@ -201,6 +206,8 @@ lab05.check_per_replica_loss(per_replica_loss, strategy)
 # and stay what they are: what can move from `start` to a mirrored model is values, not
 # variables — and a copy of its architecture starts from its initialisers, not from where
 # `start` is now.
+#
+# </details>
 
 # %%
 def make_model_and_optimizer(strategy, lr, start=None):
@@ -232,20 +239,20 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 # values — the loss as well as the accuracy — become one number each.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # `strategy.run` gives back one value per replica. What is each replica's loss a piece of — a
 # mean over its own samples, or a share of the mean over the whole step? And its accuracy? To
 # get the step's value, should the pieces be added or averaged — and does your answer still
 # hold when one replica holds 6 samples and another 2, or when the epoch's last step holds a
 # single sample for all the replicas? Which number does one device divide by, and who knows it
 # inside this function?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The loss from part 1 is already divided by the step's count: the shares add up to the mean.
 # An accuracy computed as a mean over the replica's own slice is a mean of means — equal to the
 # step's accuracy only when every slice has the same size, and 0/0 on a replica that holds
@@ -253,15 +260,18 @@ model, optimizer = lab05.check_model_and_optimizer(make_model_and_optimizer, str
 # at the end — by the step's count, which, as in part 1, only the running step knows. The
 # strategy has one call that combines a per-replica value with a chosen operation into one
 # value on the host.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # In `step_fn`: this replica's accuracy statistic from `logits` and `y` (argmax, compare, cast,
 # then reduce), and what the division at the end needs from this replica; `return` them with
 # the loss. After `strategy.run`: one reduction per returned value, each with the
 # `tf.distribute.ReduceOp` that fits what it is, and `axis=None`; then the one division.
+#
+# </details>
 
 # %%
 def distributed_train_step(strategy, model, optimizer, dist_batch):
@@ -351,17 +361,17 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # check accepts each choice that keeps this, and names by its cause each that does not.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # If every replica takes one batch from the pipeline per step, how large must the pipeline's
 # batches be for a step to hold `global_batch` samples? And into how many pieces should the data
 # be cut — one per replica, or one per pipeline?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The pipeline batches by the per-replica size, global batch / replicas. Cutting the data is per
 # pipeline: with one pipeline it keeps everything, and the replicas still see different samples
 # because they take different batches. Where to read (lesson 05 does not show it):
@@ -369,14 +379,17 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # `num_input_pipelines`, `input_pipeline_id`, `num_replicas_in_sync` and
 # `get_per_replica_batch_size(global_batch)`; `tf.data.Dataset.shard(num_shards, index)` keeps
 # every `num_shards`-th element, starting at `index`.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # An inner `dataset_fn(ctx)`: a dataset from the tensor slices of `(x, y)`, sharded by the
 # context's pipeline count and pipeline id, batched by `ctx.get_per_replica_batch_size` of the
 # global batch. Return the strategy's distributed dataset made from that function.
+#
+# </details>
 
 # %%
 def make_dist_dataset(strategy, x, y, global_batch):
@@ -439,30 +452,33 @@ lab05.check_pipeline_prediction(
 # and how a step with none keeps the weights where they are.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # On 2 replicas the last step holds 4 real samples and 28 padding samples. What does part 1's
 # function divide that step's summed loss by, and what is in the sum? What should the step's
 # mean be over — and which number does each replica hold a piece of?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The weights say which samples count: a weighted sum leaves the padding out of the sum, and
 # the mean over the real samples divides it by the sum of the weights over the whole step —
 # which, like part 1's count, no replica holds alone (on 2 replicas one of them holds only
 # padding in the last step). A step of padding alone has a weighted sum of 0 and a real count of
 # 0: what must its loss, and its gradient, be?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # The per-example losses of `model(x, training=True)`; their sum weighted by `w`; divided by the
 # sum of `w` combined over the replicas by the replica context, as part 1 combined the counts —
 # with a division that gives 0, not 0/0, when that sum is 0.
+#
+# </details>
 
 # %%
 def train_epoch(strategy, model, optimizer, dist_dataset):

@@ -57,29 +57,32 @@ worker0_sends = [1, 3, 0]
 lab06.check_worker0_sends(worker0_sends)
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # The chunk worker 0 sends at step 1 reaches worker 1, which adds its part. Where is that sum
 # after step 2, and after step 3, the last? Which chunk must the worker it stops at hold?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A chunk being summed travels one hop to the right per step, collecting one contribution per
 # hop, and stops after step N − 1. So the worker a chunk ends on is fixed by who sends it and at
 # which step — and `owner` says which chunk that worker needs. A formula on chunk numbers
 # alone can only be right for layouts where neighbouring workers finish neighbouring chunks.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Per step, one loop over the workers: work out the worker that the chunk worker i sends at
 # step t will end on (an expression in i and t, mod N), look up that worker's chunk in
 # `owner`, and add that chunk into the right neighbour's slice of the same chunk. Your
 # expression must give worker 0 the three chunks you worked out on paper.
+#
+# </details>
 
 # %%
 def scatter_reduce(buffers, owner=None):
@@ -107,27 +110,30 @@ _ = lab06.check_scatter_reduce(scatter_reduce)
 # that chunk, and afterwards every worker holds the whole sum.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # At the all-gather's first step (t = N: lesson 06 numbers the steps on through both phases),
 # which chunk is the only one worker i can usefully pass on? And at step N + 1, which complete
 # chunk has just arrived that its right neighbour still lacks?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Each worker passes on the complete chunk it got most recently (its own at step N), so every
 # complete chunk travels once around the ring, N − 1 hops.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # The same two-part step as the scatter-reduce (copies first, then one write per worker), a
 # lookup in `owner` that gives worker i its own finished chunk at step N, and an assignment
 # where the scatter-reduce added.
+#
+# </details>
 
 # %%
 def all_gather(buffers, owner=None):
@@ -231,17 +237,17 @@ guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", 
                 unit="bytes")
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # In your NumPy version, what did a worker receive in each step, and what did it do with it
 # before the next step could send it on? Which of those steps need a buffer that is not part
 # of the tensor?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Flatten the tensor once and cut it into N chunks that are views of it, so that whatever lands
 # in a chunk lands in `tensor`. A rank plays one worker of your simulation: the same indices with
 # the rank as i. What it receives in the scatter-reduce must be added, so it needs a place to
@@ -250,14 +256,17 @@ guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", 
 # `send` waits for its right neighbour, one stuck in `recv` for its left: when can such waits
 # close a circle, and when do they line up in a long chain? And if only a few ranks sent first,
 # how many transfers could be under way at once on 16 ranks?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # A small helper that, for one step, makes this rank's send and receive in the order your rule
 # gives this rank; a loop of N − 1 scatter-reduce steps (helper, then an in-place add); a loop of
 # N − 1 all-gather steps (helper only); then the in-place division for the average.
+#
+# </details>
 
 # %%
 def ring_allreduce(tensor, op="sum"):
@@ -387,31 +396,34 @@ in_flight = 2
 decision = predict("lab06", lab06.IN_FLIGHT_QUESTION, in_flight, unit="receive(s)")
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # When you wait for piece j and then add it, what is on its way at that moment? What must
 # already have happened for piece j + 1 to be on its way then — and what must not have
 # happened yet?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A transfer overlaps an addition only if it was started before the addition began and is
 # waited on after it ended. So piece j + 1's send and receive must be posted before you wait
 # for piece j, and piece j must be added before you wait for piece j + 1. At the moment you
 # wait for piece j, which later pieces have you already started? Anything from "just the next
 # one" to "all of the step's" meets the goal; they differ in the buffers they hold.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Per scatter-reduce step: the pieces of the chunk sent, the pieces of the chunk added into, a
 # receive buffer per piece, a helper that starts piece j's send and receive and returns the two
 # works, and a loop over j that starts the later pieces your decision allows, then waits for
 # piece j, then adds it.
+#
+# </details>
 
 # %%
 def ring_allreduce_segmented(tensor, op="sum", segments=4):

@@ -96,33 +96,36 @@ my_bucket_count = 3
 bucket_guess = predict("lab07", lab07.BUCKET_QUESTION, my_bucket_count, unit="bucket(s)")
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # What does one message cost: something per message, and something per byte or per element?
 # A float64 element is 8 bytes, a bfloat16 one 2: at one cap, should their buckets fill equally
 # fast? A bfloat16 gradient arrives while a float32 bucket holds 0.5 MiB and more float32
 # gradients are still to come: if that bucket closed now, how large would its message be? And
 # when is a bucket complete — when the walk ends, or earlier?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The cap keeps messages few and large, and a message's size on the wire is bytes. A choice
 # that sends a message below the cap while gradients of its dtype are still to come pays the
 # start-up cost again for nothing; a parameter of another dtype passing by is no reason to. A
 # bucket's place in the list is the moment its last gradient arrives — however it was closed,
 # or if it never was.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # One pass over the parameters that require a gradient, in the order the backward produces
 # them. At each: find the bucket it may join (or start one), add it, and let that bucket's size
 # decide whether it closes. Give every bucket the moment it became complete; after the pass,
 # the buckets still open need one too; then sort by it.
+#
+# </details>
 
 # %%
 def assign_buckets(params, bucket_cap_mb):
@@ -242,17 +245,17 @@ my_guess = 4
 guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="gradient(s)")
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Bucket 1 has just become complete, but bucket 0 is still waiting for a gradient. What must
 # the hook do now — and which later event lets bucket 1 go? And when autograd hands the hook a
 # gradient, how can the hook tell whether that tensor already lives in the bucket?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Every hook call must answer two questions: is this gradient's bucket complete now, and which
 # buckets may go now? The second depends on what has gone already, not only on what has
 # arrived. Keep what answers both with work that does not grow with the model, and put it back
@@ -266,11 +269,12 @@ guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="gradient(s)"
 # of the launched all-reduces are what the end of the step waits on. A bucket still awaiting
 # gradients at the end of the step tells you which parameters never arrived: keep which ones
 # did.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # `__init__`: per bucket a zero flat buffer of its total element count; for each of its
 # parameters a view of its slice reshaped like it, and a post-accumulate gradient hook; then
 # the state your answer to hint 2 needs, as it is before a backward. The hook: make `p.grad`
@@ -278,6 +282,8 @@ guess = predict("lab07", lab07.PREDICTION_QUESTION, my_guess, unit="gradient(s)"
 # each handle you hold; then, if a bucket is not complete, raise with the names (from
 # `named_parameters()`) of the parameters that did not arrive; otherwise put the state back as
 # it was before the backward.
+#
+# </details>
 
 # %%
 class BucketedDDP(nn.Module):
@@ -400,18 +406,18 @@ lab07.check_prediction(guess, measured)
 # weighs what each rank sends, and watches whether the backward could go on while it did.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Rank 0 picked indices {3, 17}, rank 1 picked {17, 40}. An all-reduce sums tensors position by
 # position: what would it need every rank to send? Which collective instead lets every rank
 # learn both short lists — and what must happen at index 17? And which tensor is the one whose
 # top k a rank sends: this call's gradient alone, or something more?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Per call: the *corrected* gradient is this call's gradient plus the bucket's residual; pick
 # the k entries of largest |corrected|; the residual becomes `corrected` with those entries
 # zeroed. Gather every rank's indices and its values (every rank sends the same k, so the sizes
@@ -426,16 +432,19 @@ lab07.check_prediction(guess, measured)
 # have, and its value is the list of those futures; `fut.then(fn)` returns a new future at
 # once, and when `fut` completes it calls `fn` with **`fut` itself** (the completed future —
 # its value is `fut.value()`): the new future's value is whatever `fn` returns.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # The residual from the state; the corrected gradient; the top k of its absolute values (their
 # indices) and the corrected values there; the residual set to the corrected gradient with
 # those entries zeroed; two lists of empty tensors, one per rank, for the indices and for the
 # values; two asynchronous gathers and their futures; a small function that builds the average
 # from the two lists; the future that joins both gathers, chained on that function, returned.
+#
+# </details>
 
 # %%
 class TopKState:

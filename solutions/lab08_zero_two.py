@@ -88,29 +88,32 @@ for collective in (dist.reduce_scatter_single, dist.all_gather_single):
 # all three hold at once.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # What does `reduce_scatter_single` require of its input's length, given its output's, and
 # what does that say about the pieces of different ranks? With 53 fp32 numbers on 3 ranks, how
 # long must each piece be so that no number is left without an owner — and at which byte does
 # rank 1's piece then start? What if you pad the whole vector to a multiple of 16 bytes first?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Every piece has the same length, and piece r starts at r times that length: so it is the
 # **length** that must be a whole number of 16-byte units — the smallest such length whose
 # `world_size` pieces still cover `numel`. Only the last piece(s) run into the zero padding.
 # 16 bytes are not the same count of numbers for every `element_size`.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Three lines: how many numbers make 16 bytes; one piece length from `numel`, `world_size`
 # and that count (round up, in whole units); then the start and end of piece number `rank`.
+#
+# </details>
 
 # %%
 def shard_bounds(numel, rank, world_size, element_size):
@@ -208,17 +211,17 @@ def make_buckets(params, cap):
 # and 5 together.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # When the last gradient of bucket k arrives, which gradients are alive on the rank: those of
 # bucket k, and which others? What does a collective that is still running need you to keep,
 # and when is it safe to let go of it? Where does its result have to land for contract 3?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Keep one bucket in flight: when a bucket is full, first wait for the bucket launched before
 # it and forget its buffer, then flatten the full one into a padded buffer, drop its `p.grad`s
 # and launch it asynchronously, writing straight into its own slice of `self.shard.grad`. A
@@ -227,11 +230,12 @@ def make_buckets(params, cap):
 # accepts either). `step()` must wait for
 # the last bucket before the inner optimizer runs, and every rank then needs every updated
 # slice.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # In `__init__`: the trainable parameters as a list; the buckets; a dictionary from parameter
 # to bucket index and an arrival counter per bucket (a bucket is full when its count reaches
 # its length, whichever parameter came last); per bucket its shard size and its offset
@@ -241,6 +245,8 @@ def make_buckets(params, cap):
 # remember (work, buffer, output). `_finish`: wait, divide, forget. `step`: finish, step the
 # inner optimizer, then per bucket all-gather its slices into a padded vector and copy each
 # parameter's numbers back into it.
+#
+# </details>
 
 # %%
 class ZeroTwo:
@@ -336,30 +342,33 @@ lab08.check_zero_two(ZeroTwo, timeout=check_timeout)
 # measurement.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Which buckets does `make_buckets` build for this model at 4096 bytes? Count each layer's
 # weight and bias, starting from the last layer. Is the most alive at an arrival, or at some
 # line of your hook?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Walk through your hook line by line at a bucket's last arrival: all of that bucket is in
 # `p.grad`; what does your wrapper still keep of the bucket launched before it, and when does
 # it let go? Once your hook has built the new buffer, what is alive until the next line frees
 # `p.grad`? The first bucket has no predecessor — but it is not the smallest.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # List the buckets' sizes in numbers, in launch order (a buffer is padded, a `p.grad` is
 # not); for each bucket, add up what is alive at its last arrival and after each line of your
 # hook (that bucket's `p.grad`s, the buffers your wrapper still holds, any buffer your hook
 # has already filled); take the largest; 4 bytes per number.
+#
+# </details>
 
 # %%
 from dpcourse.checks import predict
@@ -395,27 +404,30 @@ lab08.check_peak_prediction(guess, measured)
 # of each order?
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # In each order, which buffers are still alive at the line right after a bucket is copied,
 # before its `p.grad` is let go? Is that more, or less, than at the moment its last gradient
 # arrived?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Letting go of `p.grad` right after the copy does not make the copy free: for one line the
 # bucket is alive twice. What else is alive then is whatever was launched and not yet waited
 # for — none, one or every earlier bucket, depending on the order.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Per order and per bucket k: (bucket k) + (its buffer) + (the buffers still in flight at its
 # copy); take the largest over k; 4 bytes per number.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: your predictions: each order's peak of live gradient bytes (numbers)

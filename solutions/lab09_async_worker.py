@@ -56,27 +56,30 @@ torch.set_num_threads(1)
 # *this* trace: the loop is your trace, written for any τ.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Gradient 2 must be computed on version max(0, 2 − 2) = 0. How many pushes may have happened
 # before batch 2's pull, then? And gradient 0 is update 0: can it land before that pull?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The equation fixes the version each batch's pull must return, and a version only moves when
 # a push lands. So the number of pushes between two pulls is the difference of their versions;
 # whatever has not landed by the last pull lands after it.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the answer**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the answer</summary>
+#
 # Ten calls: five pulls and five pushes. Write the pulls with their versions first, leaving gaps,
 # then place each push where the version has to move; each push carries the version of its own
 # batch's pull.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: your trace for τ = 2 and five batches: a list of server calls
@@ -129,35 +132,38 @@ lab09.check_trace(my_trace)
 # it is, for every τ.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # In your trace, look at the call just after each pull from batch 2 on. Which gradient leaves,
 # and how many newer ones have been set off behind it? If another worker had pushed in
 # between, which number in that push would still be right, and where would your loop find it?
 # And if the server refused that push: could waiting make the gradient fresher, and what would
 # a fresher one for the same batch need?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The gradients waiting to land form a line: each new one joins at the back, and the one that
 # lands is always the one that has waited longest, as soon as more than τ are waiting (τ newer
 # ones in flight behind it); when the stream ends, whatever is still in the line is owed. A
 # push needs two things a gradient was born with. A refused gradient only gets staler, and the
 # same weights give the same gradient: its batch needs a new pull and a new gradient, landed
 # before any newer one — so the batch must still be in hand.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # A container of (gradient, version, batch) triples that is cheap to take from the front (a
 # deque from collections, say); one loop over the batches (pull, compute, add to the back,
 # maybe land the front one); one loop afterwards that lands the rest from the front. Landing
 # one is a small loop of its own: try the push; on `async_sgd.TooStale`, pull, compute that
 # batch's gradient again, try again.
+#
+# </details>
 
 # %%
 def async_worker_loop(server, compute_gradient, batches, tau):
@@ -202,13 +208,14 @@ lab09.check_async_worker(async_worker_loop, my_trace)   # held to your part-1 tr
 # after 300 of their updates, and the check compares the two.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Lesson 09's second table (the same batches and budget) counts, over 5 seeds, the runs that
 # diverged at lr 0.1 and lr 0.3: from which τ on did most seeds diverge at each, and how many
 # seeds split at the τ in between? Your sweep is one seed at a step between those two rows:
 # where would its edge sit, and how far can one run land from it?
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: your prediction: set my_guess (a whole number, 1 to 17)
@@ -259,30 +266,33 @@ lab09.check_prediction(guess, losses, start_loss)
 # server's steps and compares them, number by number.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Read `SimulatedServer.push` in lesson 09: which of its lines decide the size of the step, and
 # which keep the server's books? Then follow lr / s through each run the check makes: which
 # run has only gradients of staleness 0, and what did part 1's contract say that run is? For
 # `my_steps`: in your part-1 trace, how stale was each update — and does that keep growing?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Keep every line of the parent's push; change only the factor in front of the gradient. A
 # fresh gradient is as good as a gradient gets: no rule that shrinks stale steps should give it
 # less than a gradient one update stale, and the τ = 0 run must stay plain SGD. With τ newer
 # gradients in flight, update k's gradient is min(k, τ) updates stale.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Four statements, in the parent's order: the staleness computed from the two versions, recorded,
 # the in-place step with the scaled lr, the version moved on. `my_steps`: write the ten
 # stalenesses first, then your rule's factor for each.
+#
+# </details>
 
 # %%
 class StalenessAware(async_sgd.SimulatedServer):

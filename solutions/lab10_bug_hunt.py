@@ -54,19 +54,21 @@ broken1 = lab10.script(1)
 lab10.show(1)
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # In one epoch, which examples does rank 0 read, and which does rank 1 read? Do the two ranks
 # together read the data set exactly once?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A `DistributedSampler` does not pick examples for its rank alone: every rank builds the same
 # shuffled order of all 48 indices and keeps its own slice of it. What has to be the same on
 # every rank for the slices to fit together?
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: line1 (a line number) and effect1 (a number)
@@ -113,19 +115,21 @@ broken2 = lab10.script(2)
 lab10.show(2)
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Which object decides which examples a rank reads, and in which order? Follow it from where
 # it is built to where the batches come from.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # An object that is built, and even told which epoch starts, does nothing unless the loop reads
 # through it. Two ranks that read the same examples in the same order compute the same
 # gradient: averaging them is averaging one rank with itself.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: line2 (a line number) and effect2 (a number)
@@ -161,19 +165,21 @@ broken3 = lab10.script(3)
 lab10.show(3)
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # On one device, which gradient is clipped: the gradient of which batch? Here, which gradient
 # does each rank clip?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # With `effect3`'s gradients `g₀ = (3, 0)` and `g₁ = (0, 1)` and `max_norm = 1`, work out by
 # hand the gradient one device would step with on their global batch (the mean, then one
 # clip), and set it beside the one this script steps with. When would the two agree?
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: line3 (a line number) and effect3 (a number)
@@ -207,18 +213,20 @@ broken4 = lab10.script(4)
 lab10.show(4)
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # The run stops before the first step: which collective is the first one every rank calls, and
 # what does each rank expect the others to do in it?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A rooted collective (a broadcast, a reduce) needs every rank to name the same root: one
 # sender, everyone else a receiver. Which rank does each rank name here?
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: line4 (a line number) and effect4 (a number)
@@ -270,18 +278,20 @@ broken5 = lab10.script(5)
 lab10.show(5)
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Follow one gradient from the loss to `opt.step()`. What is it multiplied or divided by on
 # the way, and what should it be divided by in the end?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A constant factor in the loss is a constant factor in every gradient (the backward is
 # linear in the loss). The average over ranks needs exactly one division by the world size.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: line5 (a line number) and effect5 (a number)
@@ -342,30 +352,33 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 # your verdict went wrong from what it saw across them.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # A rank can only compare what it holds. What does a rank need from the others to decide, and
 # once each rank has its own verdict, how do the ranks end up with one verdict?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Any single number that summarizes the weights (a sum, a norm, a weighted checksum) maps
 # different weights to the same number somewhere, so no summary will do. Lesson 03 compared
 # two local tensors bit for bit (`same_bits`): what changes when the two tensors live on
 # different ranks, and when the parameters may be of any dtype? Then combine the ranks'
 # verdicts so that one rank's "no" wins.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code**
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Three pieces: all parameters as one flat tensor of their bits, in one form that fits every
 # dtype; a copy of one rank's flat tensor on every rank (a rooted collective into a clone,
 # never into the parameters); a 0/1 number per rank, reduced with the operation under which
 # any 0 wins.
+#
+# </details>
 
 # %%
 def replicas_in_sync(model):

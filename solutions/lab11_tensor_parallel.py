@@ -82,19 +82,21 @@ torch.set_num_threads(1)
 # before any collective, or the plain MLP's values with the blocks it gives.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # With 12 features on 3 ranks, write down by hand the three ranges. What do rank 1's start and
 # rank 0's stop have in common? With 16 on 3, how many ranks can have the same length?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the shape of the code</summary>
+#
 # Your decision for the remainder first (an `if` that raises, or a length per rank that
 # depends on the remainder), then start from the rank and stop from start, as in a Python
 # slice; return the pair.
+#
+# </details>
 
 # %%
 def block_of(size, rank, world_size):
@@ -138,30 +140,31 @@ lab11.check_block_of(block_of)
 # check of your code then refuses code that communicates anywhere else than you declared.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Take the four tensors at the two operations' edges: X (what `f` receives in the forward),
 # dL/dX (what `f` receives in the backward), Y_r (this rank's matrix product, which `g`
 # receives in the forward) and dL/dY (what `g` receives in the backward). For each, right
 # where the operation receives it and before any collective: does every rank hold the same,
 # whole tensor — or does each hold only a part, which the ranks must add up to get the plain
 # MLP's value?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — let the check test your reasoning** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — let the check test your reasoning</summary>
+#
 # Write your answers to Hint 1 down for the check: `held = {"X": ..., "dL/dX": ..., "Y": ...,
 # "dL/dY": ...}`, each `"whole"` (the same on every rank) or `"partial"` (a part the ranks
 # must sum), and call `lab11.check_diagnosis(f_communicates_in, g_communicates_in, held)`. It
 # then first tells you where your passes disagree with your own answers, and, when they agree
 # but are wrong, asks which of your answers does not hold.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the idea, and the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the idea, and the shape of the code</summary>
+#
 # ∂L/∂X = Σ_r ∂L/∂Z_r · A_rᵀ (Z_r = X A_r): each rank computes one term, so the sum needs the
 # ranks together — on the backward pass; the forward of `f` has nothing to add, since X is
 # already the same everywhere. `g` is the mirror image: the forward needs the sum of the
@@ -169,6 +172,8 @@ lab11.check_block_of(block_of)
 # `g` runs identically on every rank, so each rank already holds it. In the code, then, two of
 # the four methods return what they were given (a fresh tensor or a view of it), and two sum
 # over the ranks before returning; each collective runs on every rank, unconditionally.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: f_communicates_in, g_communicates_in
@@ -233,29 +238,32 @@ lab11.check_conjugates(CopyToTPRegion, ReduceFromTPRegion, f_communicates_in,
 # each of your four would make of its tensor; a changed set after that is named as a search.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # For each of the four tensors, ask two things: what does this rank hold of it (all the tokens
 # or only its own; whole, or a part the ranks must sum)? And what does the operation on the
 # other side of f or g need of it?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Going into the column layer, a rank has its own tokens and needs everyone's; coming out of
 # the row layer, it has a part of every token's sum and needs the whole sum of its own tokens
 # only. Each backward turns its forward's change around: a gradient of a tensor that was
 # gathered is a sum to take back to each rank's share, and a gradient of one rank's share of a
 # sum is needed by every rank's partial product.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the answer** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the answer</summary>
+#
 # Two different collectives, each used twice; no "nothing" and no "all-reduce". Each
 # operation's backward uses the one of the two that its forward does not.
+#
+# </details>
 
 # %%
 for value in lab11.SP_VALUES:
@@ -304,31 +312,34 @@ lab11.check_sequence_parallel(sp_collectives)
 # your choice.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # Which torch dimension of the first layer's weight indexes its output features — and so its
 # hidden features? Which dimension of the second layer's weight does the hidden block
 # multiply? And if every rank added the whole row bias to its partial product, what would the
 # sum hold?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Both layers cut the hidden dimension and keep the model's width whole, whatever the
 # framework's layout: find, in each layout, which dimension runs over the hidden features. A column block of
 # output features comes with the same block of the first bias. The row layer's partial
 # products are summed, so anything added to each of them before the sum is added t times;
 # after the sum, every rank holds the same output and may add the whole bias itself.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # In each `__init__`: the block's bounds from the right size, then a slice along one
 # dimension, copied into a new parameter. In each `forward`: `f` on the way in (column) or `g`
 # on the way out (row), around one matrix product, and the bias where your decision puts it.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: weight_shape, column_weight_dim, row_weight_dim and dense_dims
@@ -421,25 +432,28 @@ held_guess = predict("lab11", "numbers in the parameters of rank 1 of 3 (d = 6, 
                      my_count, unit="numbers")
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # The GeLU sits between the two layers. Does it need the other ranks' hidden features to
 # compute its output on this rank's block?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # GeLU acts on each feature alone, so it runs on a block as well as on the whole: the column
 # layer's block of hidden features goes through it and straight into the row layer.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Three attributes built from the three entries of `plain` (yours, yours, and the activation
 # as it is); the forward chains them in the plain MLP's order.
+#
+# </details>
 
 # %%
 class TPMLP(nn.Module):
@@ -511,34 +525,37 @@ norm_bytes_guess = predict("lab11", "fewest bytes one rank sends for the norm in
                            "(2 ranks, 5 rows, h = 12, float32)", my_norm_bytes, unit="bytes")
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # To compute rank r's block of the norm's output, what does rank r need from the other ranks'
 # features — the features themselves, or something smaller computed from them? And in the
 # backward: does rank s's block of the norm's output depend on rank r's features, and where is
 # that part of the gradient computed?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # The mean and the variance of a row are made of sums over its features, and a sum over all h
 # features is the sum of the ranks' sums over their blocks. Every rank's block of the output
 # then depends on every rank's sums, so the gradient of rank r's sums has a part on every
 # rank: the parts must be added up. Which sums? Picture a row whose features are all near
 # 1000 with a spread of 1, in float32 (about 7 significant digits): which sums still carry
 # the spread?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # One Function around a small tensor of this rank's per-row sums (rows × one or two
 # numbers): its forward and its backward both sum over the ranks. Used twice if a second sum
 # needs the first's total (deviations from the row's mean), or once on sums taken from a value
 # every rank shares. Then the norm written out from the totals on this rank's block of hidden
 # features, and the result into the row layer.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: the autograd Function(s) for the norm's communication
@@ -615,25 +632,28 @@ lab11.check_normed_mlp(NormedTPMLP, timeout=check_timeout, prediction=norm_guess
 # counts.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # When does autograd call a `Function`'s `backward` at all? Think of what it needs the result
 # for.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # A backward computes the gradients of a Function's inputs; when none of its inputs requires
 # a gradient, autograd records no backward for it. Where does each MLP's input come from?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Count per MLP and per pass: one sum in each forward, and in the backward one for each `f`
 # whose input requires a gradient. Add them up.
+#
+# </details>
 
 # %%
 ### BEGIN SOLUTION: your predictions (two numbers)
@@ -682,17 +702,17 @@ lab11.check_prediction(guess, measured, guess_grad)
 # that is not GPipe's.
 
 # %% [markdown]
-# **▶ Hint 1 — a question** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 1 — a question</summary>
+#
 # In GPipe's schedule, when does a stage start its first backward? A middle stage's backward
 # of micro-batch i needs two things: which, and where does each come from? And what does
 # autograd do to `.grad` when `backward` runs a second time?
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 2 — the idea** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 2 — the idea</summary>
+#
 # Every forward first, then every backward. Activations go to rank + 1, their gradients back
 # to rank − 1. Keep each micro-batch's input and output from its forward: the backward starts
 # from the output (with the gradient the next stage sends, or from the loss on the last stage)
@@ -700,16 +720,19 @@ lab11.check_prediction(guess, measured, guess_grad)
 # input must be a leaf that asks for a gradient. `.grad` adds up across backwards, which is how
 # the m micro-batches' gradients become the batch's, once each loss is scaled to the batch
 # mean. A non-blocking send must be waited for before the step returns.
+#
+# </details>
 
 # %% [markdown]
-# **▶ Hint 3 — the shape of the code** (click the folded cell below)
-
-# %% [markdown] jupyter={"source_hidden": true}
+# <details><summary>▶ Hint 3 — the shape of the code</summary>
+#
 # Two loops over the micro-batches. The first: get the input (from `inputs` or a receive),
 # time the module (and the loss on the last stage), pass the result on, keep the pair. The
 # second: get the output's gradient (a receive, or none on the last stage), time the
 # backward, pass the input's gradient back. For the bubble: the summed durations, the span,
 # and the number of stages.
+#
+# </details>
 
 # %%
 def gpipe_step(module, rank, world_size, m, inputs, targets, loss_fn, shape):

@@ -153,6 +153,12 @@ def test_straggler_race_async_applies_more_and_the_fast_worker_waits_less():
     for mode in ("sync", "async"):
         spans = out[1][mode]["spans"]
         assert [k for k, _, _ in spans][-1] == "wait" and all(b >= a for _, a, b in spans)
+        # the straggler's injected delay is a span of its own, after each compute, never the fast
+        # worker's
+        slow = out[2][mode]["spans"]
+        sleeps = [(i, b - a) for i, (k, a, b) in enumerate(slow) if k == "sleep"]
+        assert sleeps and not any(k == "sleep" for k, _, _ in spans)
+        assert all(slow[i - 1][0] == "compute" and d >= cfg.straggler_delay for i, d in sleeps)
 
     def waited(mode):
         spans = out[1][mode]["spans"]

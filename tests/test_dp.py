@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpcourse import dp, models
+from dpcourse import dp, dp_costs, models
 
 
 @pytest.fixture
@@ -123,11 +123,31 @@ def test_real_data_parallel_mode_is_observed_not_assumed(setup, monkeypatch):
 
 def test_measurements_have_the_right_form(setup):
     model, X, _ = setup
-    t = dp.time_replicate_vs_forward(model, X, 2, repeats=2)
+    t = dp_costs.time_replicate_vs_forward(model, X, 2, repeats=2)
     assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0 and t["torch_replicate_s"] > 0
-    g = dp.gil_threads_demo(n=50_000)
+    g = dp_costs.gil_threads_demo(n=50_000)
     assert g["sequential_s"] > 0 and g["threaded_s"] > 0
     assert g["cpu_per_wall"] < 1.3  # the GIL: one core at a time for pure Python
+
+
+def test_kernel_gil_probe_tells_a_kernel_that_holds_the_gil(monkeypatch):
+    torch.set_num_threads(1)
+    released = dp_costs.kernel_gil_probe(tries=1)
+    assert released["longest_gap_s"] < 0.5 * released["kernel_s"]
+    # a C call that keeps the GIL (sum over a range) stands in for the kernel: a long pause
+    monkeypatch.setattr(torch, "mm", lambda a, b: sum(range(5_000_000)))
+    held = dp_costs.kernel_gil_probe(size=8, tries=1)
+    assert held["longest_gap_s"] > 0.5 * held["kernel_s"]
+
+
+def test_torch_replicate_is_timed_on_its_training_path(setup):
+    # detach=False, as DataParallel.replicate in a training step: torch's replicate then goes
+    # through the (stood-in) differentiable Broadcast, which counts its copies like ours.
+    model, X, _ = setup
+    K = models.count_parameters(model)
+    with dp.TrafficCounter() as tc:
+        dp_costs.time_replicate_vs_forward(model, X, 2, repeats=1)
+    assert tc.replicate_calls == 1 and tc.params_out == 2 * K
 
 
 def test_replicate_makes_one_distinct_module_per_device():

@@ -741,10 +741,10 @@ def test_the_lab_names_part_5_as_its_decision_and_part_4_lists_no_candidate_rule
 
     text = (Path(__file__).parent.parent / "solutions" / "lab02_data_parallel.py").read_text()
     part1, rest = text.split("# ## 1. `scatter`")[1].split("# ## 2. `gather`")
-    part4 = text.split("# ## 4. `dp_forward_backward`")[1].split("# **▶ Hint 1")[0]
-    part5 = text.split("# ## 5. What survives a replica")[1].split("# **▶ Hint 1")[0]
+    part4 = text.split("# ## 4. `dp_forward_backward`")[1].split("# <details><summary>▶ Hint 1")[0]
+    part5 = text.split("# ## 5. What survives a replica")[1].split("# <details><summary>▶ Hint 1")[0]
     # §1's choice passes both ways: it is not called a decision, and the lab says both pass
-    assert "decision" not in part1.split("# **▶ Hint 1")[0] and "both are accepted" in part1
+    assert "decision" not in part1.split("# <details><summary>▶ Hint 1")[0] and "both are accepted" in part1
     # part 4 names no candidate combining rule; part 5 holds the decision, stated as what must
     # hold (as nn.DataParallel(model) leaves it), not as a list of what to bring back
     for candidate in ("their sum", "their mean", "one copy's"):

@@ -36,6 +36,78 @@ def _launch_each_run_once():
         yield
 
 
+# --- several answers judged in one launch -------------------------------------------------------
+# (as tests/test_lab08_checks.py and tests/test_lab11_checks.py do) A launch is most of a test's
+# cost here, and the answers are stateless (each worker builds its seeded model and data): the
+# check's own worker runs every answer of a group (the same worker and world size, ONE_LAUNCH at
+# the end of this file) in turn on one process group, and each answer's results are what the
+# check receives when it asks for that run (the same key as a replay). The check a learner runs
+# still launches once per answer; here everything after the launch (the check's judgement, its
+# memory of mistakes, its sentence) runs per test as before. A run that raised on a rank, one
+# not listed (the deadlock, an answer that raises), or a group whose launch failed or whose
+# ranks fell out of step, is launched for real by the test that needs it, as before.
+RAISED = "this run raised on a rank: it launches alone"
+
+
+def _in_one_launch(rank, world_size, worker, runs):
+    """Every run of ``runs`` (a list of argument tuples) in turn; after each, the ranks check
+    that they are still in step (the same run, no collective left over) before the next."""
+    results = []
+    for i, args in enumerate(runs):
+        try:
+            results.append(worker(rank, world_size, *args))
+        except Exception:                           # noqa: BLE001 - that run launches alone
+            results.append(RAISED)
+        step = [torch.zeros(1) for _ in range(world_size)]
+        dist.all_gather(step, torch.tensor([float(i)]))
+        if any(int(t) != i for t in step):
+            return results[:-1]                     # out of step: the rest launch alone
+    return results
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _answers_in_one_launch(_launch_each_run_once):
+    import copy
+    import threading
+
+    from dpcourse import launch
+
+    one_at_a_time, launched = launch.spawn, {}
+    # the deadlock's check runs in a thread beside another test: one lock per group, so that
+    # neither waits for the other's launch
+    locks = {group: threading.Lock() for group in ONE_LAUNCH}
+
+    def results_of(worker, world_size):
+        group = (worker, world_size)
+        with locks[group]:
+            if group not in launched:
+                runs = ONE_LAUNCH[group]
+                try:
+                    per_rank = one_at_a_time(_in_one_launch, world_size, worker, runs,
+                                             backend="gloo", timeout=240, show_output=False)
+                except launch.LaunchError:
+                    per_rank = [[] for _ in range(world_size)]
+                launched[group] = {
+                    args: [r[i] for r in per_rank] for i, args in enumerate(runs)
+                    if all(i < len(r) and not (isinstance(r[i], str) and r[i] == RAISED)
+                           for r in per_rank)}
+            return launched[group]
+
+    def spawn(worker, world_size, *args, timeout, **kwargs):
+        if (worker, world_size) in ONE_LAUNCH and kwargs.get("backend") == "gloo":
+            try:
+                outs = results_of(worker, world_size).get(args)
+            except TypeError:                       # arguments that cannot be a key
+                outs = None
+            if outs is not None:
+                return copy.deepcopy(outs)
+        return one_at_a_time(worker, world_size, *args, timeout=timeout, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "spawn", spawn)
+        yield
+
+
 def sum_only(model):
     for p in model.parameters():
         dist.all_reduce(p.grad)
@@ -1426,3 +1498,67 @@ def test_weighted_flags_with_the_count_pass(capsys):
     lab03.check_average_gradients_weighted(weighted_flags_with_the_count)
     out = capsys.readouterr().out
     assert out.count("✔") == 1 and "never (used by no rank)" in out, out
+
+
+# --------------------------------------------------------------------------------------------
+# The runs judged in one launch (see _answers_in_one_launch): (worker, world size) -> the
+# arguments of each run the tests above ask the checks for. Each check still asks for its runs
+# one by one; a run not listed here (rank0_only's deadlock, the answers that raise, 4 ranks)
+# launches on its own, as the check a learner runs does.
+# --------------------------------------------------------------------------------------------
+
+
+def _runs():
+    from dpcourse.checks import _lab03_predict, _lab03_step, _lab03_weighted
+
+    avg, step = lab03._avg_worker, _lab03_step._step_worker
+    weighted, count = _lab03_weighted._weighted_worker, _lab03_predict._count_worker
+    right_avg = [reference_average, rebind_attribute, div_underscore_then_reduce,
+                 flat_with_torch_helpers_all_ranks_alike, flat_reference, flat_assigning_views,
+                 flat_parameters_to_vector, used_mask_first, flags_int_max, flags_bool_summed,
+                 flags_one_call_each]
+    wrong_avg = [sum_only, rebind_in_list, rebind_local_name, reduce_a_copy, divide_only,
+                 divide_by_two, ddp.average_gradients, flat_two_buffers, flat_never_copied_back,
+                 flat_without_division, flat_with_torch_helpers, no_none_guard,
+                 guard_on_requires_grad, flat_no_none_guard, skip_none, zeros_not_kept,
+                 mean_over_the_users, zeros_for_the_frozen_too, zeros_for_never_too,
+                 flat_zeros_for_never, flags_without_device, none_where_the_mean_is_zero,
+                 flat_none_where_the_mean_is_zero, flat_flags_in_a_second_call,
+                 flat_flags_all_gathered]
+    right_steps = [good_step, step_loss_averaged_first, step_with_sum_reduction]
+    # answers that pass on 2 ranks and are named on 3 (or by Adam) need those runs too
+    steps_on_three = right_steps + [averages_the_weights, averages_the_weights_data,
+                                    step_dividing_by_two, average_the_loss_and_gradients,
+                                    divides_by_four]
+    wrong_steps = [average_the_loss, no_zero_grad, no_step, returns_nothing,
+                   returns_loss_after_step, returns_the_loss_tensor, returns_own_shard_loss,
+                   returns_summed_loss]
+    right_weighted = [weighted_reference, weighted_via_weights,
+                      weighted_count_moved_to_the_gradients, weighted_counts_gathered,
+                      weighted_one_collective, weighted_flags_with_the_count]
+    wrong_weighted = [weighted_plain_mean, weighted_sum_only, weighted_not_divided,
+                      weighted_by_world_size, weighted_assumes_equal_totals, weighted_by_own_count,
+                      weighted_on_a_copy, weighted_count_without_device,
+                      weighted_count_without_device_then_float,
+                      weighted_count_summed_but_gradients_not_scaled,
+                      weighted_scaled_after_the_sum, weighted_skip_none, weighted_no_none_guard,
+                      weighted_over_the_users_samples, weighted_zeros_for_the_frozen_too,
+                      weighted_zeros_without_device, weighted_zeros_for_never]
+    on_three_weighted = right_weighted + [weighted_skip_none, weighted_over_the_users_samples]
+    sizes = lambda n: tuple(lab03.SHARD_SIZES[:n])      # noqa: E731
+    return {
+        (avg, 2): [(fn, True, True) for fn in right_avg + wrong_avg],
+        (avg, 3): [(fn, True, True) for fn in right_avg + [divide_by_two, mean_over_the_users]],
+        (step, 2): ([(fn,) for fn in steps_on_three + wrong_steps]
+                    + [(fn, "adam") for fn in right_steps + [averages_the_weights,
+                                                             averages_the_weights_data]]),
+        (step, 3): [(fn,) for fn in steps_on_three],
+        (weighted, 2): [(fn, sizes(2)) for fn in right_weighted + wrong_weighted],
+        (weighted, 3): [(fn, sizes(3)) for fn in on_three_weighted],
+        (count, 2): [(fn,) for fn in (reference_average, skip_none, zeros_for_never_too,
+                                      flags_one_call_each, flat_flags_all_gathered,
+                                      flat_reference)],
+    }
+
+
+ONE_LAUNCH = _runs()

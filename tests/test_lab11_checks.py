@@ -43,6 +43,97 @@ def _launch_each_run_once():
         yield
 
 
+# --- each class's source read once -----------------------------------------------------------
+# Every check looks for an unfilled TODO in the learner's class before it starts a rank
+# (checks.has_todo, inspect.getsource). For a class, Python 3.11's inspect parses the whole file
+# that defines it to find the class: in a notebook, a cell; here, this 2,000-line module, again at
+# every check (about a tenth of a second each, 130 times). The source of this module's classes
+# does not change while it runs, so each class's source is read once and reused (the same
+# string); functions, and anything inspect cannot read, go to inspect as before.
+@pytest.fixture(autouse=True, scope="module")
+def _class_sources_read_once():
+    import inspect
+
+    read, sources = inspect.getsource, {}
+
+    def getsource(obj):
+        if not (isinstance(obj, type) and obj.__module__ == __name__):
+            return read(obj)
+        if obj not in sources:
+            sources[obj] = read(obj)
+        return sources[obj]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inspect, "getsource", getsource)
+        yield
+
+
+# --- several answers judged in one launch -------------------------------------------------------
+# (as tests/test_lab08_checks.py does) A launch is most of a test's cost here, and the answers are
+# stateless: the check's own worker runs every answer of a group (the same worker and world size,
+# ONE_LAUNCH at the end of this file) in turn on one process group, and each answer's results
+# are what the check receives when it asks for that run (the same key as a replay). The check a
+# learner runs still launches once per answer; here everything after the launch (the check's
+# judgement, its memory of mistakes, its sentence) runs per test as before. A run that raised on
+# a rank, or a group whose launch failed or whose ranks fell out of step, is launched for real
+# by the test that needs it, as before.
+RAISED = "this run raised on a rank: it launches alone"
+
+
+def _in_one_launch(rank, world_size, worker, runs):
+    """Every run of ``runs`` (a list of argument tuples) in turn; after each, the ranks check
+    that they are still in step (the same run, no collective left over) before the next."""
+    results = []
+    for i, args in enumerate(runs):
+        try:
+            results.append(worker(rank, world_size, *args))
+        except Exception:                           # noqa: BLE001 - that run launches alone
+            results.append(RAISED)
+        step = [torch.zeros(1) for _ in range(world_size)]
+        dist.all_gather(step, torch.tensor([float(i)]))
+        if any(int(t) != i for t in step):
+            return results[:-1]                     # out of step: the rest launch alone
+    return results
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _answers_in_one_launch(_launch_each_run_once):
+    import copy
+
+    from dpcourse import launch
+
+    one_at_a_time, launched = launch.spawn, {}
+
+    def results_of(worker, world_size):
+        group = (worker, world_size)
+        if group not in launched:
+            runs = ONE_LAUNCH[group]
+            try:
+                per_rank = one_at_a_time(_in_one_launch, world_size, worker, runs,
+                                         backend="gloo", timeout=240, show_output=False)
+            except launch.LaunchError:
+                per_rank = [[] for _ in range(world_size)]
+            launched[group] = {
+                args: [r[i] for r in per_rank] for i, args in enumerate(runs)
+                if all(i < len(r) and not (isinstance(r[i], str) and r[i] == RAISED)
+                       for r in per_rank)}
+        return launched[group]
+
+    def spawn(worker, world_size, *args, timeout, **kwargs):
+        if (worker, world_size) in ONE_LAUNCH and kwargs.get("backend") == "gloo":
+            try:
+                outs = results_of(worker, world_size).get(args)
+            except TypeError:                       # arguments that cannot be a key
+                outs = None
+            if outs is not None:
+                return copy.deepcopy(outs)
+        return one_at_a_time(worker, world_size, *args, timeout=timeout, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "spawn", spawn)
+        yield
+
+
 def fails(check, *args, match, **kwargs):
     with pytest.raises(LabCheckError, match=match) as info:
         check(*args, **kwargs)
@@ -211,8 +302,10 @@ class ReduceInPlaceNoClone(torch.autograd.Function):
         return grad
 
 
-@pytest.mark.parametrize("f,g", [(Copy, Reduce), (CopyViewAs, ReduceInPlace),
-                                 (CopyViewAs, ReduceInPlaceNoClone)])
+RIGHT_CONJUGATES = [(Copy, Reduce), (CopyViewAs, ReduceInPlace), (CopyViewAs, ReduceInPlaceNoClone)]
+
+
+@pytest.mark.parametrize("f,g", RIGHT_CONJUGATES)
 def test_right_conjugates_pass(f, g, capsys):
     lab11.check_conjugates(f, g, *DECLARED, timeout=T)
     out = capsys.readouterr().out
@@ -226,7 +319,7 @@ def test_right_conjugates_pass_on_four_ranks(capsys):
     assert "✔" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("f,g,match", [
+WRONG_CONJUGATES = [
     (conj("F", allsum, allsum), Reduce, "communicates in both passes, but you declared "
                                          "f_communicates_in = 'backward'"),
     (conj("F", allmean, allsum), Reduce, "communicates in both passes"),
@@ -241,7 +334,10 @@ def test_right_conjugates_pass_on_four_ranks(capsys):
                                       "g_communicates_in"),
     (conj("F", allsum, ident), Reduce, "in its forward only, but you declared"),
     (Reduce, Copy, "swapped"),
-])
+]
+
+
+@pytest.mark.parametrize("f,g,match", WRONG_CONJUGATES)
 def test_wrong_conjugates_named(f, g, match):
     fails(lab11.check_conjugates, f, g, *DECLARED, match=match, timeout=T)
 
@@ -570,8 +666,11 @@ class ColumnInnerLinear(nn.Module):
         return self.inner(Copy.apply(x))
 
 
-@pytest.mark.parametrize("cls", [Column, ColumnChunk, ColumnMatmul, ColumnTransposed,
-                                 ColumnInnerLinear])
+RIGHT_COLUMNS = [Column, ColumnChunk, ColumnMatmul, ColumnTransposed,
+                 ColumnInnerLinear]
+
+
+@pytest.mark.parametrize("cls", RIGHT_COLUMNS)
 def test_right_column_pass(cls, capsys):
     # the other variants on 3 ranks only: a launch is the cost of these tests
     sizes = lab11.WORLD_SIZES if cls is Column else (3,)
@@ -660,7 +759,7 @@ class ColumnBiasNoClone(Column):
         self.bias = nn.Parameter(linear.bias.detach()[rank * per:(rank + 1) * per])
 
 
-@pytest.mark.parametrize("cls,match", [
+WRONG_COLUMNS = [
     (ColumnNoClone, r"keeps a parameter of shape \(\d, 6\) that shares its storage with the full "
                     r"layer's weight \(12, 6\) .*: all 72 numbers of it stay alive in your "
                     r"layer, of which this parameter uses \d+, so the full layer is kept"),
@@ -677,7 +776,10 @@ class ColumnBiasNoClone(Column):
     (ColumnWholeBias, "whole bias"),
     (ColumnNoBias, "lacks the bias"),
     (ColumnAveragedBackward, "averages dL/dx"),
-])
+]
+
+
+@pytest.mark.parametrize("cls,match", WRONG_COLUMNS)
 def test_wrong_column_named(cls, match):
     fails(lab11.check_column_parallel, cls, match=match, timeout=T)
 
@@ -989,8 +1091,11 @@ def test_the_bias_prediction_needs_three_ranks():
         lab11.check_row_parallel(Row, world_sizes=(2,), timeout=T, bias_prediction=guess)
 
 
-@pytest.mark.parametrize("cls", [Row, RowBiasOnRankZero, RowChunk, RowTransposedBiasOnRankZero,
-                                 RowInPlaceNoClone, RowBiasBlocks])
+RIGHT_ROWS = [Row, RowBiasOnRankZero, RowChunk, RowTransposedBiasOnRankZero,
+              RowInPlaceNoClone, RowBiasBlocks]
+
+
+@pytest.mark.parametrize("cls", RIGHT_ROWS)
 def test_right_row_pass(cls, capsys):
     sizes = lab11.WORLD_SIZES if cls is Row else (3,)
     lab11.check_row_parallel(cls, world_sizes=sizes, timeout=T)
@@ -1065,7 +1170,7 @@ class RowGOnInput(Row):
         return F.linear(Reduce.apply(h), self.weight) + self.bias
 
 
-@pytest.mark.parametrize("cls,match", [
+WRONG_ROWS = [
     (RowGOnInput, "applies g to its input"),
     (RowNoReduce, "no communication in RowNoReduce.s forward"),
     (RowBiasEveryRank, "adds the bias on every rank before the all-reduce"),
@@ -1077,7 +1182,10 @@ class RowGOnInput(Row):
     (RowNoOffset, "kept the columns of rank 0"),
     (RowAveraged, "averages the partial products"),
     (RowBiasAfterOnRankZeroOnly, "rank 1 lacks the bias"),
-])
+]
+
+
+@pytest.mark.parametrize("cls,match", WRONG_ROWS)
 def test_wrong_row_named(cls, match):
     fails(lab11.check_row_parallel, cls, match=match, timeout=T)
 
@@ -1124,7 +1232,10 @@ class MLPUneven(nn.Module):
         return self.down(self.act(self.up(x)))
 
 
-@pytest.mark.parametrize("cls", [MLP, MLPUneven])
+RIGHT_MLPS = [MLP, MLPUneven]
+
+
+@pytest.mark.parametrize("cls", RIGHT_MLPS)
 def test_right_mlp_pass(cls, capsys):
     lab11.check_tp_mlp(cls, timeout=T)
     out = capsys.readouterr().out
@@ -1245,8 +1356,11 @@ def test_right_mlp_transposed_bias_on_rank_zero_pass(capsys):
     assert capsys.readouterr().out.count("✔") == 1
 
 
-@pytest.mark.parametrize("row", [RowBiasHeldEverywhereAddedOnRankZero,
-                                 RowTransposedBiasEverywhereAddedOnRankZero])
+DEAD_BIAS_ROWS = [RowBiasHeldEverywhereAddedOnRankZero,
+                  RowTransposedBiasEverywhereAddedOnRankZero]
+
+
+@pytest.mark.parametrize("row", DEAD_BIAS_ROWS)
 def test_a_row_bias_held_on_every_rank_but_added_on_rank_zero_is_refused(row):
     # every value is right, but rank 1's copy of the bias gets no gradient: a dead parameter
     message = fails(lab11.check_row_parallel, row, world_sizes=(2,), match="on rank 1 holds a "
@@ -1286,7 +1400,7 @@ RowGBackwardMean = type("RowGBackwardMean", (Row,), {
     + self.bias})
 
 
-@pytest.mark.parametrize("layers,match", [
+WRONG_MLP_LAYERS = [
     ((ColumnDetachedBias, Row), r"column layer's bias \(plain\[0\]\.bias\) on rank 0 gets no "
                                 r"gradient"),
     ((ColumnBiasNotParameter, Row), r"no nn.Parameter that is a block of the column layer's "
@@ -1296,18 +1410,24 @@ RowGBackwardMean = type("RowGBackwardMean", (Row,), {
     ((Column, RowBiasScaled), r"row layer's bias \(plain\[2\]\.bias\) on rank 0 is 1/2 of"),
     ((Column, RowBiasStoredScaled), "row layer's bias .* divided by the world size"),
     ((Column, RowGBackwardMean), "so a collective runs outside them, or twice"),
-])
+]
+
+
+@pytest.mark.parametrize("layers,match", WRONG_MLP_LAYERS)
 def test_wrong_mlp_gradients_named(layers, match):
     # each of these gives the plain MLP's output and dL/dx: only the parameters' gradients
     # (or the collectives) show the mistake
     fails(lab11.check_tp_mlp, mlp_of(*layers), match=match, timeout=T)
 
 
-@pytest.mark.parametrize("cls,match", [
+WRONG_MLPS = [
     (MLPVagueRefusal, r"does not name both the hidden size \(16\) and the world size"),
     (MLPDropsRemainder, "does not split into 3 equal blocks"),
     (MLPGeluAfter, "differs from the plain MLP"),
-])
+]
+
+
+@pytest.mark.parametrize("cls,match", WRONG_MLPS)
 def test_wrong_mlp_named(cls, match):
     fails(lab11.check_tp_mlp, cls, match=match, timeout=T)
 
@@ -1545,7 +1665,10 @@ class NormedWholeRow(Normed):
         return self.down(self.norm(self.gather.apply(self.act(self.up(x)))))
 
 
-@pytest.mark.parametrize("cls", [NormedStats, NormedStatsRefusing, NormedStatsShifted])
+RIGHT_NORMED = [NormedStats, NormedStatsRefusing, NormedStatsShifted]
+
+
+@pytest.mark.parametrize("cls", RIGHT_NORMED)
 def test_right_normed_mlp_passes(cls, capsys):
     lab11.check_normed_mlp(cls, timeout=T)
     out = capsys.readouterr().out
@@ -1564,7 +1687,7 @@ def test_the_budget_is_what_the_statistics_send_measured():
     assert lab11.ring_bytes("reduce_scatter", 240, 2) == 120
 
 
-@pytest.mark.parametrize("cls,match", [
+WRONG_NORMED = [
     (NormedLocal, r"a norm over each rank's own block of 6 hidden features gives: rank 0 normalises "
                   r"row 0 by its block's mean -?\d\.\d{3}"),
     (NormedSplit, r"counts only the paths through this rank's own block of the norm's output"),
@@ -1606,7 +1729,10 @@ def test_the_budget_is_what_the_statistics_send_measured():
     (NormedStatsDetachedDown, r"on rank 0 \(2 ranks, h = 12\) the second weight's block of hidden "
                               r"features \[0, 6\) has no gradient"),
     (NormedStatsPlaceholderBias, r"after one SGD step .* holds the bias's step 2 times"),
-])
+]
+
+
+@pytest.mark.parametrize("cls,match", WRONG_NORMED)
 def test_wrong_normed_mlp_named(cls, match):
     message = fails(lab11.check_normed_mlp, cls, match=match, timeout=T)
     assert "(Run the check again after your change" in message
@@ -1823,7 +1949,7 @@ def test_right_gpipe_with_batched_p2p_passes(capsys):
     assert capsys.readouterr().out.count("✔") == 1
 
 
-@pytest.mark.parametrize("fn,match", [
+WRONG_GPIPES = [
     (gpipe_times_waits, "time waiting for .* a message, not only the computation"),
     (gpipe_never_waits, r"stage \d returned from gpipe_step with \d+ non-blocking send\(s\) still "
                         r"pending .* leaves its neighbour waiting"),
@@ -1832,7 +1958,10 @@ def test_right_gpipe_with_batched_p2p_passes(capsys):
     (gpipe_1f1b, "every forward first"),
     (gpipe_no_requires_grad, "the tensor it received has no gradient after the backward"),
     (gpipe_stale_start, "overlap"),
-])
+]
+
+
+@pytest.mark.parametrize("fn,match", WRONG_GPIPES)
 def test_wrong_gpipe_named(fn, match):
     fails(lab11.check_gpipe, fn, bubble, match=match, timeout=T)
 
@@ -1902,3 +2031,54 @@ def test_a_wrong_pair_sent_again_is_named_as_a_repeat_not_a_new_pair():
     fails(lab11.check_sequence_parallel, other, match="answer no. 2")
     repeat = fails(lab11.check_sequence_parallel, sp, match="not all right")
     assert "You sent this very set before" in repeat and "answer no." not in repeat
+
+
+# --------------------------------------------------------------------------------------------
+# The runs judged in one launch (see _answers_in_one_launch): (worker, world size) -> the
+# arguments of each run the tests above ask the checks for. Each check still asks for its runs
+# one by one; a run not listed here launches on its own, as the check a learner runs does.
+# --------------------------------------------------------------------------------------------
+
+
+def _runs():
+    from dpcourse.checks import _lab11_gpipe, _lab11_layers, _lab11_mlp, _lab11_norm
+    from dpcourse.checks._lab11_diagnose import H, ODD_H
+    from dpcourse.checks._lab11_pipeline import _CHECK_DELAY_S, _M
+
+    conj, layer = lab11._conjugates_worker, _lab11_layers._layer_worker
+    mlp, normed = _lab11_mlp._mlp_worker, _lab11_norm.normed_worker
+    pipe = _lab11_gpipe._gpipe_worker
+    column = lambda classes: [(c, "column") for c in classes]   # noqa: E731
+    row = lambda classes: [(c, "row") for c in classes]         # noqa: E731
+    right_normed = RIGHT_NORMED + [NormedStatsFloorBlocks, NormedStatsHFromBlock]
+    return {
+        (conj, 2): RIGHT_CONJUGATES + [(f, g) for f, g, _ in WRONG_CONJUGATES],
+        (conj, 3): RIGHT_CONJUGATES,
+        (layer, 2): (column([Column] + [c for c, _ in WRONG_COLUMNS])
+                     + row([Row, RowNoClone, RowBiasAliased, RowBiasPlaceholder]
+                           + [c for c, _ in WRONG_ROWS] + DEAD_BIAS_ROWS)),
+        (layer, 3): column(RIGHT_COLUMNS) + row(RIGHT_ROWS + [RowBiasPlaceholder]),
+        (mlp, 2): [(c, H) for c in RIGHT_MLPS + [mlp_of(Column, RowBiasPlaceholder)]
+                   + [mlp_of(*layers) for layers, _ in WRONG_MLP_LAYERS]
+                   + [c for c, _ in WRONG_MLPS]],
+        (mlp, 3): [(c, h) for c in RIGHT_MLPS + [
+            mlp_of(ColumnTransposed, RowInPlaceNoClone), mlp_of(Column, RowBiasBlocks),
+            mlp_of(ColumnTransposed, RowTransposedBiasOnRankZero), MLPVagueRefusal,
+            MLPDropsRemainder] for h in (H, ODD_H)]
+                  + [(mlp_of(Column, row_cls), H) for row_cls in DEAD_BIAS_ROWS],
+        (normed, 2): ([(c,) for c in RIGHT_NORMED + [c for c, _ in WRONG_NORMED]]
+                      + [(c, H, lab11.SHIFT) for c in right_normed + [NormedStatsOnePass]]),
+        (normed, 3): ([(c,) for c in right_normed + [NormedStatsOnePass]]
+                      + [(c, ODD_H) for c in right_normed]),
+        (pipe, 2): ([(fn, _M, _CHECK_DELAY_S) for fn in [gpipe, gpipe_batched_p2p]
+                     # (a rank that raises leaves its neighbour waiting: launched alone)
+                     + [fn for fn, _ in WRONG_GPIPES
+                        if fn not in (gpipe_never_waits, gpipe_no_requires_grad)]]
+                    + [(gpipe_times_waits, 2, 0.01)] + [(gpipe, m, 0.01) for m in (1, 2, 4)]
+                    # its sends left pending: last, when nothing after it could receive them
+                    + [(gpipe_never_waits, _M, _CHECK_DELAY_S)]),
+        (pipe, 3): [(fn, _M, _CHECK_DELAY_S) for fn in (gpipe, gpipe_reversed)],
+    }
+
+
+ONE_LAUNCH = _runs()

@@ -1,8 +1,9 @@
 """The rules every generated lab keeps (DESIGN.md § Labs make the learner think; issue 31):
 
-* every section of a lab that holds a TODO has a ladder of folded hints: a visible label
-  ("**▶ Hint 1 — a question**", then 2, 3) right before each folded text cell, numbered from 1,
-  at most three rungs — help that waits to be asked for;
+* every section of a lab that holds a TODO has a ladder of folded hints, each one markdown cell
+  that is a ``<details>`` block labelled "▶ Hint 1 — a question" (then 2, 3), numbered from 1,
+  at most three rungs — help that waits to be asked for, folded in every viewer (GitHub's static
+  view ignores the ``source_hidden`` flag, so no hint is folded by the flag alone);
 * no hint holds a line of its lab's answer (a hint is a question, an idea or the shape of the
   code, never the code);
 * every lab names the design decision the learner makes ("**Your design decision:**");
@@ -26,7 +27,8 @@ from test_lesson_rules import _significant, solution_regions
 
 ROOT = authoring.ROOT
 LABS = sorted((ROOT / "labs").glob("lab[0-9][0-9]_*.ipynb"))
-HINT = re.compile(r"^\*\*▶ Hint (\d) — ")
+HINT = re.compile(r"^▶ Hint (\d) — ")
+OLD_LABEL = re.compile(r"^\*\*▶ Hint")  # the old form: a bold label cell, then a flag-folded cell
 DECISION = "**Your design decision:**"
 MAX_RUNGS = 3
 TODO_LIMIT = 80
@@ -51,37 +53,48 @@ def _sections(nb) -> list[tuple[str, list]]:
     return out
 
 
+def _hint(cell) -> str | None:
+    """The label of a hint ("▶ Hint 1 — a question"): a markdown cell that is one ``<details>``
+    block whose summary starts with "▶ Hint", folded in every viewer; None for any other cell."""
+    label = authoring.details_label(cell)
+    return label if label is not None and label.startswith("▶ Hint") else None
+
+
 def ladder_problems(nb, name: str) -> list[str]:
     problems = []
     expected = 1
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "markdown":
             continue
-        label = HINT.match(cell.source.lstrip())
-        if label:
-            k = int(label.group(1))
-            if k != expected and k != 1:
-                problems.append(f"{name} cell {i}: Hint {k} follows Hint {expected - 1}; number "
-                                f"a ladder 1, 2, 3")
-            if k > MAX_RUNGS:
-                problems.append(f"{name} cell {i}: Hint {k}: a ladder has at most {MAX_RUNGS} "
-                                f"rungs (a question, the idea, the shape of the code)")
-            expected = k + 1
-            after = nb.cells[i + 1] if i + 1 < len(nb.cells) else None
-            if after is None or after.cell_type != "markdown" or not _hidden(after):
-                problems.append(f"{name} cell {i}: the label '{cell.source.strip()[:30]}' is not "
-                                f"followed by a folded text cell (jupyter.source_hidden)")
-        elif _hidden(cell):
-            before = nb.cells[i - 1] if i else None
-            if before is None or before.cell_type != "markdown" or "▶" not in before.source:
-                problems.append(f"{name} cell {i}: a folded text cell without a visible '▶' "
-                                f"label right before it")
+        label = _hint(cell)
+        if _hidden(cell) and label is None:
+            problems.append(f"{name} cell {i}: a text cell folded by the source_hidden flag "
+                            f"alone shows open on GitHub; make the hint one <details> block "
+                            f"with its '▶ Hint k — …' label as the summary")
+        if label is None:
+            if OLD_LABEL.match(cell.source.lstrip()):
+                problems.append(f"{name} cell {i}: the label '{cell.source.strip()[:30]}' "
+                                f"stands outside its hint; put it in the <details> block's "
+                                f"summary, with the hint's text inside")
+            continue
+        numbered = HINT.match(label)
+        if not numbered:
+            continue  # a lone hint ("▶ Hint — a question"), not a ladder's rung
+        k = int(numbered.group(1))
+        if k != expected and k != 1:
+            problems.append(f"{name} cell {i}: Hint {k} follows Hint {expected - 1}; number "
+                            f"a ladder 1, 2, 3")
+        if k > MAX_RUNGS:
+            problems.append(f"{name} cell {i}: Hint {k}: a ladder has at most {MAX_RUNGS} "
+                            f"rungs (a question, the idea, the shape of the code)")
+        if not authoring._DETAILS.match(cell.source).group(2).strip():
+            problems.append(f"{name} cell {i}: '{label}' folds no text")
+        expected = k + 1
     for heading, cells in _sections(nb):
         if any(_has_todo(c) for c in cells) and not any(
-                c.cell_type == "markdown" and (m := HINT.match(c.source.lstrip()))
-                and m.group(1) == "1" for c in cells):
+                (m := HINT.match(_hint(c) or "")) and m.group(1) == "1" for c in cells):
             problems.append(f"{name}: the section {heading!r} holds a TODO but no hint ladder "
-                            f"(a '**▶ Hint 1 — …**' label and its folded cell)")
+                            f"(a <details> block summarised '▶ Hint 1 — …')")
     return problems
 
 
@@ -89,9 +102,9 @@ def hint_leaks(nb, regions: list[list[str]], name: str) -> list[str]:
     """Lines of the answer (12 significant characters or more) found inside a hint's text."""
     leaks = []
     for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "markdown" or not _hidden(cell):
+        if _hint(cell) is None:
             continue
-        text = re.sub(r"\s+", "", cell.source.replace("`", ""))
+        text = re.sub(r"\s+", "", authoring._DETAILS.match(cell.source).group(2).replace("`", ""))
         for region in regions:
             for line in region:
                 if line and line in text:
@@ -166,32 +179,35 @@ def _lab(*cells):
 TODO = nbformat.v4.new_code_cell("# TODO: the piece\nraise NotImplementedError('TODO')")
 
 
+def _h(label, text="why?"):
+    return _md(f"<details><summary>{label}</summary>\n\n{text}\n\n</details>")
+
+
 def test_the_ladder_rules_can_fail():
-    good = _lab(_md("## Part 1"), _md("**▶ Hint 1 — a question**"), _md("why?", True),
-                _md("**▶ Hint 2 — the idea**"), _md("this.", True), TODO)
+    good = _lab(_md("## Part 1"), _h("▶ Hint 1 — a question"), _h("▶ Hint 2 — the idea", "this."),
+                TODO, _h("▶ Hint — a question", "a lone hint before a prediction"))
     assert ladder_problems(good, "x") == []
-    no_ladder = _lab(_md("## Part 1"), TODO, _md("## Part 2"), _md("**▶ Hint 1 — q**"),
-                     _md("?", True), TODO)
+    no_ladder = _lab(_md("## Part 1"), TODO, _md("## Part 2"), _h("▶ Hint 1 — q"), TODO)
     assert any("'## Part 1' holds a TODO but no hint ladder" in p
                for p in ladder_problems(no_ladder, "x"))
-    unfolded = _lab(_md("## P"), _md("**▶ Hint 1 — q**"), _md("shown"), TODO)
-    assert any("not followed by a folded text cell" in p for p in ladder_problems(unfolded, "x"))
-    unlabelled = _lab(_md("## P"), _md("**▶ Hint 1 — q**"), _md("?", True), _md("x", True), TODO)
-    assert any("without a visible '▶' label" in p for p in ladder_problems(unlabelled, "x"))
-    skipped = _lab(_md("## P"), _md("**▶ Hint 1 — q**"), _md("?", True),
-                   _md("**▶ Hint 3 — s**"), _md("!", True), TODO)
+    old_form = _lab(_md("## P"), _md("**▶ Hint 1 — q**"), _md("why?", True), TODO)
+    found = ladder_problems(old_form, "x")
+    assert any("stands outside its hint" in p for p in found)
+    assert any("folded by the source_hidden flag alone" in p for p in found)
+    assert any("holds a TODO but no hint ladder" in p for p in found)
+    empty = _lab(_md("## P"), _h("▶ Hint 1 — q", ""), TODO)
+    assert any("folds no text" in p for p in ladder_problems(empty, "x"))
+    skipped = _lab(_md("## P"), _h("▶ Hint 1 — q"), _h("▶ Hint 3 — s", "!"), TODO)
     assert any("Hint 3 follows Hint 1" in p for p in ladder_problems(skipped, "x"))
-    four = _lab(_md("## P"), *[c for k in range(1, 5) for c in
-                               (_md(f"**▶ Hint {k} — r**"), _md("?", True))], TODO)
+    four = _lab(_md("## P"), *[_h(f"▶ Hint {k} — r") for k in range(1, 5)], TODO)
     assert any("at most 3 rungs" in p for p in ladder_problems(four, "x"))
 
 
 def test_the_hint_leak_rule_can_fail():
     regions = solution_regions("### BEGIN SOLUTION\nfor p in model.parameters():\n"
                                "    dist.all_reduce(p.grad)\n### END SOLUTION\n")
-    leaky = _lab(_md("**▶ Hint 3 — shape**"), _md("Write `dist.all_reduce( p.grad )` for each.",
-                                                   True))
+    leaky = _lab(_h("▶ Hint 3 — shape", "Write `dist.all_reduce( p.grad )` for each."))
     assert hint_leaks(leaky, regions, "x")
-    fine = _lab(_md("**▶ Hint 3 — shape**"), _md("One collective per parameter's gradient.", True))
+    fine = _lab(_h("▶ Hint 3 — shape", "One collective per parameter's gradient."))
     assert hint_leaks(fine, regions, "x") == []
     assert _significant("    dist.all_reduce(p.grad)  # sum") == "dist.all_reduce(p.grad)"

@@ -47,6 +47,17 @@ def _significant(line: str) -> str:
     return re.sub(r"\s+", "", line)
 
 
+def significant_lines(texts) -> set[str]:
+    """Every line of ``texts`` as compared; a unified diff's ``+``/``-`` line also without its
+    marker (a diff of a lab's answer shows its lines, each behind one character)."""
+    lines = set()
+    for line in (line for text in texts for line in text.splitlines()):
+        lines.add(_significant(line))
+        if line[:1] in "+-" and not line.startswith(("+++", "---")):
+            lines.add(_significant(line[1:]))
+    return lines
+
+
 def solution_regions(source: str) -> list[list[str]]:
     """Each BEGIN/END SOLUTION region's significant lines (12 characters or more)."""
     regions, current = [], None
@@ -84,7 +95,7 @@ def readable_lines(nb) -> set[str]:
                     if key == "text/html":
                         value = html.unescape(re.sub(r"<[^>]+>", "", value))
                     texts.append(value)
-    return {_significant(line) for text in texts for line in text.splitlines()}
+    return significant_lines(texts)
 
 
 DETAILS = re.compile(r"<details\b.*?</details>", re.S | re.I)
@@ -114,7 +125,7 @@ def readable_lines_in_every_viewer(nb) -> set[str]:
                     if key == "text/html":
                         value = html.unescape(re.sub(r"<[^>]+>", "", DETAILS.sub("", value)))
                     texts.append(value)
-    return {_significant(line) for text in texts for line in text.splitlines()}
+    return significant_lines(texts)
 
 
 def find_leaks(lessons: list[Path], solutions: list[Path], read=readable_lines) -> list[str]:
@@ -212,6 +223,12 @@ def test_the_leak_finder_finds_a_leak(tmp_path):
 
     assert find_leaks([lesson("03_x", folded=False)], [sol])
     assert find_leaks([lesson("02_x", folded=False)], [sol])
+    as_diff = lesson("03_d", folded=True)   # the answer printed as a diff, in plain sight
+    nb = nbformat.read(as_diff, as_version=4)
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="".join(
+        f"+{line}\n" for line in code.splitlines()))]
+    nbformat.write(nb, as_diff)
+    assert find_leaks([as_diff], [sol], read=readable_lines_in_every_viewer)
     assert not find_leaks([lesson("03_x", folded=True)], [sol])
     assert not find_leaks([lesson("04_x", folded=False)], [sol])
 

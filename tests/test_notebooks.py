@@ -16,6 +16,7 @@ import re
 import nbformat
 import pytest
 
+from dpcourse import quizzes
 from dpcourse.tools import authoring
 
 ROOT = authoring.ROOT
@@ -126,5 +127,12 @@ def test_every_lesson_has_its_frame(path):
         f"{path.name}: no Summary section"
     quiz = [c for c in nb.cells if c.cell_type == "code" and "quiz(" in c.source]
     assert quiz, f"{path.name}: no check-yourself questions (viz.quiz)"
-    n_questions = sum(c.source.count('"q":') + c.source.count("'q':") for c in quiz)
+    n_questions = len(quizzes.questions(path.stem))
     assert 3 <= n_questions <= 6, f"{path.name}: {n_questions} check-yourself questions"
+    assert all(f'quizzes.questions("{path.stem[:2]}")' in c.source for c in quiz), (
+        f"{path.name}: the quiz cell must show dpcourse.quizzes' questions, not its own")
+    in_sight = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                and re.search(r"""["']answer["']\s*:""", c.source)]
+    assert not in_sight, (f"{path.name}: cell(s) {in_sight} hold a quiz's answers in their code, "
+                          f"which GitHub's view shows even when the cell is folded; keep the "
+                          f"questions in dpcourse/quizzes/l{path.stem[:2]}.py")

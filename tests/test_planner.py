@@ -237,3 +237,23 @@ def test_zero3_gathers_and_scatters_once_per_micro_batch():
     assert math.isclose(many["dp_bytes"], 96 * (2 * 2 + 2) * model.num_params / 64 * 23 / 24)
     ddp = planner.plan_row(model, A100, 8, 8, PUB["global_batch"], stage="ddp")
     assert ddp["dp_bytes"] == planner.plan_row(model, A100, 8, 8, 192, stage="ddp")["dp_bytes"]
+
+
+def test_zero2_reduce_scatters_every_micro_batch():
+    """ZeRO-2 keeps only its gradient shard, so with M micro-batches it reduce-scatters M times
+    and all-gathers the weights once: (M·grad_bytes + 2) bytes per parameter, (M + 1) messages
+    per bucket; ZeRO-1 (a full gradient to accumulate into, as DDP's no_sync) stays once a
+    step. At M = 1 the two cost the same."""
+    model = planner.GPT_145B
+    one = {s: planner.plan_row(model, A100, 8, 8, 24, stage=s) for s in ("zero1", "zero2")}
+    many = {s: planner.plan_row(model, A100, 8, 8, PUB["global_batch"], stage=s)
+            for s in ("zero1", "zero2")}
+    assert one["zero1"]["micro_batches"] == 1 and many["zero2"]["micro_batches"] == 96
+    assert one["zero2"]["dp_bytes"] == one["zero1"]["dp_bytes"]
+    assert one["zero2"]["dp_messages"] == one["zero1"]["dp_messages"]
+    assert many["zero1"]["dp_bytes"] == one["zero1"]["dp_bytes"]
+    per_gpu, dp = model.num_params / 64, 24
+    assert math.isclose(many["zero2"]["dp_bytes"], per_gpu * (96 * 2 + 2) * (dp - 1) / dp)
+    buckets = math.ceil(per_gpu * 2 / (25 * 2**20))
+    assert many["zero2"]["dp_messages"] == 97 * buckets
+    assert many["zero2"]["time_s"] > many["zero1"]["time_s"]

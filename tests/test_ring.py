@@ -301,3 +301,11 @@ def test_rabenseifner_simulation_sums_and_sends_what_cost_says(n):
     assert max(sent) == ring.cost("rabenseifner", n, nbytes, 0, 1).critical_path_bytes - extra
     with pytest.raises(ValueError, match="same length"):
         ring.simulate_rabenseifner([np.zeros(3), np.zeros(4)])
+
+
+def test_blocking_ring_orders_match_the_counts_lesson_06_derives():
+    """Alternating order: 2 transfer times a step on even N, 2N/(N-1) on odd N; one rank
+    receiving first: a chain of N."""
+    for per_step, derived in ring.blocking_ring_orders((2, 3, 4, 5, 8, 9)).values():
+        assert per_step == derived
+    assert ring.blocking_ring_time([True, False, True, False]) == 2 * 2 * 3

@@ -275,6 +275,27 @@ def test_quiz_refuses_an_answer_outside_the_options():
         viz.quiz([{**QUESTIONS[0], "answer": 2}])
 
 
+@pytest.mark.parametrize("nn", [f"{k:02d}" for k in range(12)])
+def test_every_lessons_quiz_is_well_formed(nn):
+    from dpcourse import quizzes
+
+    qs = quizzes.questions(nn)
+    assert qs is quizzes.questions(f"{nn}_any_name")
+    for i, item in enumerate(qs):
+        assert set(item) == {"q", "options", "answer", "why"}, (nn, i)
+        assert 0 <= item["answer"] < len(item["options"]) == len(item["why"]) >= 2, (nn, i)
+        assert len(set(item["options"])) == len(item["options"]), (nn, i)  # radio values
+
+
+def test_quizzes_name_a_lesson_by_its_number():
+    from dpcourse import quizzes
+
+    with pytest.raises(ValueError, match="by its two digits"):
+        quizzes.questions("mirrored")
+    with pytest.raises(ValueError, match="lesson 99 has no quiz"):
+        quizzes.questions("99")
+
+
 # --- the package: every name a lesson uses is exported -------------------------------------
 
 
@@ -580,3 +601,27 @@ def test_show_code_folded_keeps_the_code_behind_a_click(monkeypatch):
     viz.show_code(snippet)  # unfolded, as before: the highlighted code itself
     (code, kw), = shown
     assert isinstance(code, IPython.display.Code) and "secret_answer" in code._repr_html_()
+
+
+def test_folded_output_keeps_printed_claims_behind_a_click(monkeypatch):
+    """``with viz.folded_output("▶ label"):`` (claims that state a lab's answer): what the block
+    prints is HTML inside ``<details>``, escaped; the plain text holds none of it; a block that
+    raises still shows what it printed before."""
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display",
+                        lambda *objs, **kw: shown.extend((o, kw) for o in objs))
+    with viz.folded_output("▶ The counts — open after your lab passes"):
+        print("✔ the answer is 3 < 4")
+    (bundle, kw), = shown
+    assert kw.get("raw") is True
+    page, plain = bundle["text/html"], bundle["text/plain"]
+    assert page.startswith("<details") and page.rstrip().endswith("</details>")
+    assert "the answer is 3 &lt; 4" in page and "answer" not in plain and "folded" in plain
+    shown.clear()
+    with pytest.raises(RuntimeError), viz.folded_output("▶ x"):
+        print("before")
+        raise RuntimeError("a failed claim")
+    (bundle, _), = shown
+    assert "before" in bundle["text/html"]

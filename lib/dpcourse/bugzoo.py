@@ -24,7 +24,7 @@ __all__ = [
     "partial_collective", "collective_order", "early_stop", "resume_on_one_rank",
     "averaged_loss", "averaged_loss_differentiable", "batchnorm_stats", "batchnorm_ddp", "nan_on_one_rank", "forgotten_set_epoch",
     "same_checkpoint", "unused_parameter", "port_in_use", "zoo_worker", "TwoHeads",
-    "average_gradients", "small_batches", "mlp",
+    "average_gradients", "small_batches", "mlp", "checksum_collision",
 ]
 
 
@@ -264,6 +264,27 @@ def all_ranks_finite(value: float, device="cpu") -> bool:
     flag = torch.tensor([float(math.isfinite(value))], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one rank's 0 makes every rank's 0
     return flag.item() == 1.0
+
+
+def checksum_collision() -> tuple[bool, list[str]]:
+    """What a checksum misses, run (lab 10's stretch: its hint 2's idea, which is why the lesson
+    shows it folded, after the lab pointer): two ``Linear(4, 1)`` layers whose weights differ,
+    +2δ at position 1 and −δ at position 2 (δ = 2⁻⁹, a power of two, so every sum is exact in
+    floating point), and whose :func:`detectors.state_checksums` are equal. Returns (whether the
+    weights are equal, what :func:`detectors.compare_checksums` finds).
+
+    Shown in lesson 10, §"Lab 10".
+    """
+    a = nn.Linear(4, 1, bias=False)
+    b = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        a.weight.copy_(torch.tensor([[0.25, 0.5, 0.75, 1.0]]))
+        b.weight.copy_(a.weight)
+        b.weight[0, 0] += 2 * 2.0 ** -9
+        b.weight[0, 1] -= 2.0 ** -9
+    return (torch.equal(a.weight, b.weight),
+            detectors.compare_checksums([detectors.state_checksums(a),
+                                         detectors.state_checksums(b)]))
 
 
 def nan_on_one_rank(rank, world_size, fixed=False, steps=8, bad_step=3, bad_rank=1):

@@ -137,7 +137,7 @@ class CollectiveLog(list):
         return out
 
     def of(self, *ops: str) -> "CollectiveLog":
-        """The calls whose op is one of ``ops``."""
+        """The calls whose op is one of ``ops``. Shown in lesson 04, §5."""
         return CollectiveLog(c for c in self if c.op in ops)
 
     def summarize(self) -> str:
@@ -199,7 +199,8 @@ class Recorder:
 
     def run(self, calls: list[Call], invoke: Callable[[], Any]):
         """Log ``calls``, run the ``before`` hooks, ``invoke()`` the real function, run the
-        ``after`` hooks; the calls made meanwhile on this thread pass through unrecorded."""
+        ``after`` hooks; the calls made meanwhile on this thread pass through unrecorded.
+        Shown in lesson 04, §5; lesson 10, §1."""
         self.busy.on = True
         try:
             for call in calls:

@@ -17,7 +17,8 @@ Here a "device" is a ``torch.device``. On a machine without GPUs every device is
 copies are real copies in the same memory, which is enough to see every move and count every
 byte; with GPUs (``devices_for(n)``) the same code puts chunks and replicas on ``cuda:0..n-1``.
 
-Why it is slow, each point measurable with this module (lesson 02 measures them):
+Why it is slow, each point measurable with this module and timed by :mod:`dpcourse.dp_costs`
+(lesson 02 measures them):
 
 * one process: the threads share the GIL, so the Python parts of N forwards take turns;
 * the weights travel from device 0 to N-1 devices every step, and N-1 gradient copies travel
@@ -31,14 +32,14 @@ Why it is slow, each point measurable with this module (lesson 02 measures them)
 
 :func:`real_data_parallel` says what the real ``nn.DataParallel`` does *on this machine*: with
 2 or more GPUs it runs for real; with 0 or 1 it quietly calls the wrapped module and nothing
-else (no scatter, no replicas, no threads).
+else (no scatter, no replicas, no threads). Lab 02's answers, measured on this module, are in
+:mod:`dpcourse.dp_answers`.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -57,9 +58,6 @@ __all__ = [
     "parameter_server_traffic",
     "RealDataParallelReport",
     "real_data_parallel",
-    "time_replicate_vs_forward",
-    "python_work",
-    "gil_threads_demo",
 ]
 
 
@@ -437,109 +435,14 @@ def real_data_parallel(module: nn.Module, X: torch.Tensor) -> RealDataParallelRe
                                   calls["scatter"], calls["parallel_apply"])
 
 
-# --------------------------------------------------------------------------------------------
-# Measurements for "why DataParallel is slow"
-# --------------------------------------------------------------------------------------------
-
-
-def _best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def time_replicate_vs_forward(module: nn.Module, X: torch.Tensor, devices,
-                              repeats: int = 5) -> dict:
-    """Seconds (best of ``repeats``) for one :func:`replicate`, for one call of torch's own
-    ``torch.nn.parallel.replicate`` onto as many devices, and for one forward of a chunk.
-
-    Replication is paid again every step; the lesson shows how it compares with the work it
-    serves: the forward timed is the module's own on chunk 0 (replica 0's share), with no
-    autograd graph. Torch's ``replicate`` hands its tensors to ``comm.broadcast_coalesced``,
-    which takes GPU tensors only; here that call is replaced, for the timing, by one clone of
-    the weights per device after the first (device 0 keeps the module's own tensors, as the real
-    one does), so what is timed is torch's Python replication plus the same copies ours makes.
-    Timings depend on the machine, so show them but assert nothing about their size.
-
-    Shown in lesson 02, §"Why it is slow".
-    """
+# Split off, and still reachable as dp.NAME (lesson 02 once called them so): the measurements of
+# "why it is slow" (dpcourse.dp_costs) and lab 02's answers (dpcourse.dp_answers). Both use the
+# step above, so they import this module; a lazy lookup here keeps that from being circular.
+def __getattr__(name: str):
     import importlib
-    from unittest import mock
 
-    from torch.nn.parallel import comm
-    # the module (torch.nn.parallel's own name `replicate` is the function)
-    torch_replicate_module = importlib.import_module("torch.nn.parallel.replicate")
-
-    def broadcast_by_clones(tensors, devices, buffer_size=None):   # CPU stand-in
-        return [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in devices[1:]]
-
-    devs = _as_devices(devices)
-    chunk = scatter(X, devs)[0]
-    with torch.no_grad():
-        module(chunk)  # warm-up
-        t_fwd = _best_of(lambda: module(chunk), repeats)
-    t_rep = _best_of(lambda: replicate(module, devs), repeats)
-    with mock.patch.object(comm, "broadcast_coalesced", broadcast_by_clones):
-        t_torch = _best_of(lambda: torch_replicate_module.replicate(
-            module, list(range(len(devs))), detach=True), repeats)
-    return {"replicate_s": t_rep, "torch_replicate_s": t_torch, "forward_chunk_s": t_fwd,
-            "ratio": t_rep / t_fwd}
-
-
-def python_work(n: int) -> int:
-    """One unit of pure-Python work: bytecode only, no call that releases the GIL, so a thread
-    running it holds the GIL the whole time (but for the interpreter's forced switches).
-
-    Shown in lesson 02, §"Why it is slow".
-    """
-    total = 0
-    for k in range(n):
-        total += k * k % 7
-    return total
-
-
-def gil_threads_demo(n: int = 300_000, threads: int = 2, rounds: int = 7) -> dict:
-    """Time ``threads`` units of pure-Python work done one after another vs in ``threads``
-    threads (``rounds`` interleaved rounds, the best of each way), and measure the CPU time the
-    process used per second of each way's wall time (all rounds pooled).
-
-    ``cpu_per_wall`` (threaded) is the load-proof sign of the GIL: threads that take turns use at
-    most about one core's worth of CPU per wall second, truly parallel ones up to ``threads``.
-    ``seq_cpu_per_wall`` is how much of a core the one-after-another runs got: a busy machine
-    lowers both, and when the two differ the wall-clock ``speedup`` shows the load, not
-    parallelism.
-
-    Shown in lesson 02, §"Why it is slow".
-    """
-    if threads < 2:
-        raise ValueError("the demo needs at least 2 threads")
-    python_work(n // 10)  # warm-up
-
-    def sequential():
-        for _ in range(threads):
-            python_work(n)
-
-    def threaded():
-        ts = [threading.Thread(target=python_work, args=(n,)) for _ in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-
-    # Interleaved rounds, best of each: a slow moment of a loaded machine hits both ways alike
-    # (timing all the sequential runs first once let a busy spell fake a 1.9x "speed-up").
-    wall = {sequential: [], threaded: []}
-    cpu = {sequential: 0.0, threaded: 0.0}
-    for _ in range(rounds):
-        for run in (sequential, threaded):
-            c0, t0 = time.process_time(), time.perf_counter()
-            run()
-            wall[run].append(time.perf_counter() - t0)
-            cpu[run] += time.process_time() - c0  # every thread of the process counts
-    t_seq, t_thr = min(wall[sequential]), min(wall[threaded])
-    return {"sequential_s": t_seq, "threaded_s": t_thr, "speedup": t_seq / t_thr,
-            "cpu_per_wall": cpu[threaded] / sum(wall[threaded]),
-            "seq_cpu_per_wall": cpu[sequential] / sum(wall[sequential]), "threads": threads}
+    for split_off in ("dp_costs", "dp_answers"):
+        module = importlib.import_module(f"{__package__}.{split_off}")
+        if name in module.__all__:
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

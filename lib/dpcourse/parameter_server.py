@@ -262,8 +262,9 @@ def race_server(w, workers, cfg: RaceConfig, asynchronous: bool):
 
 
 def race_worker(model, problem, rank, workers, cfg: RaceConfig):
-    """Pull, compute (the last worker also sleeps: a slower machine), push, until told to stop.
-    Returns this worker's spans: ("compute" | "wait", start, end) in time.perf_counter().
+    """Pull, compute (the last worker then sleeps: a slower machine), push, until told to stop.
+    Returns this worker's spans: ("compute" | "sleep" | "wait", start, end) in
+    time.perf_counter(); "sleep" is the straggler's injected delay, apart from its computing.
 
     Shown in lesson 09, §1.
     """
@@ -280,10 +281,12 @@ def race_worker(model, problem, rank, workers, cfg: RaceConfig):
         mine = torch.randint(cfg.n_train, (cfg.batch,), generator=g)
         _, grad = loss_and_gradient(model, message[:-1], problem.x_train[mine],
                                     problem.y_train[mine])
-        if rank == workers:
-            time.sleep(cfg.straggler_delay)                     # the straggler
         t = time.perf_counter()
         spans.append(("compute", got, t))
+        if rank == workers:
+            time.sleep(cfg.straggler_delay)                     # the straggler
+            spans.append(("sleep", t, time.perf_counter()))
+            t = spans[-1][2]                                    # the next wait starts here
         dist.send(torch.cat([grad, message[-1:]]), 0)
 
 

@@ -17,8 +17,9 @@ with t·p·D GPUs it computes, per GPU (d is the model's width throughout):
 * **messages and bytes per step**, per GPU and dimension: tensor (all-reduces of the activations,
   four per layer per micro-batch — two in the forward, two in the backward — and two more when
   the forward is recomputed), pipeline (one activation forward and one gradient backward per
-  micro-batch and stage boundary), data (lesson 08's 2Ψ or 3Ψ of the GPU's parameters, once
-  per step, at ``grad_bytes`` per gradient);
+  micro-batch and stage boundary), data (lesson 08's 2Ψ or 3Ψ of the GPU's parameters, at
+  ``grad_bytes`` per gradient: once per step for DDP and ZeRO-1, the reduce-scatter once per
+  micro-batch for ZeRO-2, everything once per micro-batch for ZeRO-3, :func:`plan_row`);
 * **an estimated step time**: compute (``6Ψ`` flops per token, ``8Ψ`` with recomputation, at a
   stated fraction of the GPU's peak) stretched by the pipeline's fill and drain: a step of m
   micro-batches on p stages lasts ``m + p − 1`` slots of which each stage works m, so the
@@ -178,13 +179,17 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     ``megatron/training/arguments.py``). Data-parallel
     traffic: an all-reduce of the gradients (DDP), a reduce-scatter of the gradients and an
     all-gather of the 16-bit weights (ZeRO-1/2), the weights all-gathered twice and the
-    gradients reduce-scattered (ZeRO-3); once per step for DDP and ZeRO-1/2 (as with DDP's
-    ``no_sync()`` over every micro-batch but the last), once per micro-batch for ZeRO-3: it reshards
+    gradients reduce-scattered (ZeRO-3); once per step for DDP and ZeRO-1 (as with DDP's
+    ``no_sync()`` over every micro-batch but the last: both keep a full gradient to accumulate
+    into), while ZeRO-2 keeps only its gradient shard, so it reduce-scatters after every
+    micro-batch (m reduce-scatters, then one all-gather of the weights per step), and ZeRO-3
+    gathers and reduce-scatters once per micro-batch: it reshards
     between micro-batches, as FSDP2 does at its defaults (lesson 08 measures 2k all-gathers at
     k micro-batches), so its traffic and messages grow with the micro-batches per step;
     messages: one all-reduce per ``bucket_bytes`` of
     gradients (DDP's default bucket, 25 MiB), a reduce-scatter and an all-gather per bucket for
-    ZeRO-1/2, three collectives per layer and micro-batch for ZeRO-3. A pipeline message is a
+    ZeRO-1 (m reduce-scatters per bucket for ZeRO-2), three collectives per layer and
+    micro-batch for ZeRO-3. A pipeline message is a
     full activation per GPU (no scatter-gather over the t ranks). Returns a dict with every number the
     lesson prints, and ``fits``. ``order`` is the rank layout that decides which links a
     dimension's groups use (the module's docstring): "tp-pp-dp" or Megatron-LM's "tp-dp-pp".
@@ -228,10 +233,11 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     pp_msgs = 2 * m if pp > 1 else 0                  # a middle stage: one each way per micro-batch
     pp_bytes = pp_msgs * act_msg
     dp_volume = per_gpu * {"ddp": 2 * grad_bytes,                 # all-reduce of the gradients
-                           "zero1": grad_bytes + 2, "zero2": grad_bytes + 2,  # RS grads, AG weights
+                           "zero1": grad_bytes + 2,               # RS grads, AG weights
+                           "zero2": m * grad_bytes + 2,           # RS every micro-batch's
                            "zero3": m * (2 * 2 + grad_bytes)}[stage]  # per micro-batch: AG twice, RS
     buckets = math.ceil(per_gpu * grad_bytes / bucket_bytes)   # DDP's gradient buckets (lesson 07)
-    dp_msgs = ({"ddp": buckets, "zero1": 2 * buckets, "zero2": 2 * buckets,
+    dp_msgs = ({"ddp": buckets, "zero1": 2 * buckets, "zero2": (m + 1) * buckets,
                 "zero3": 3 * layers_here * m}[stage] if dp > 1 else 0)
     dp_bytes = dp_volume * (dp - 1) / dp if dp > 1 else 0.0
 

@@ -42,11 +42,13 @@ from typing import Sequence
 
 import numpy as np
 
-from .ring_cost import (ALGORITHMS, AlphaBetaFit, COST_MODELS, Cost, RingUpTo, cheapest,
-                        cheapest_by_n, cost, fit_alpha_beta, fit_alpha_beta_per_n,
-                        ring_cheapest_up_to, spans)
+from .ring_cost import (ALGORITHMS, AlphaBetaFit, COST_MODELS, Cost, RingUpTo,
+                        blocking_ring_orders, blocking_ring_time, cheapest, cheapest_by_n, cost,
+                        fit_alpha_beta, fit_alpha_beta_per_n, ring_cheapest_up_to, spans)
 
 __all__ = [
+    "blocking_ring_orders",
+    "blocking_ring_time",
     "chunk_bounds",
     "cheapest",
     "cheapest_by_n",

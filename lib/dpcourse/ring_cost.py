@@ -2,7 +2,9 @@
 critical path that moves b bytes over a link takes ``alpha + b * beta``. :func:`cost` prices
 naive, parameter server, ring, a binomial tree and Rabenseifner's; :func:`cheapest`,
 :func:`cheapest_by_n` and :func:`ring_cheapest_up_to` say which wins where;
-:func:`fit_alpha_beta` fits alpha and beta to measured all-reduce times.
+:func:`fit_alpha_beta` fits alpha and beta to measured all-reduce times;
+:func:`blocking_ring_time` counts the transfer times of a ring of blocking sends and receives,
+by the order each rank calls them in.
 
 The simulator these prices describe and the real ring are in :mod:`dpcourse.ring`, which
 re-exports every name here.
@@ -278,3 +280,47 @@ def fit_alpha_beta_per_n(world_sizes, nbytes, seconds) -> dict:
     k = np.asarray(nbytes, dtype=float).ravel()
     t = np.asarray(seconds, dtype=float).ravel()
     return {int(w): fit_alpha_beta(n[n == w], k[n == w], t[n == w]) for w in sorted(set(n))}
+
+
+# --------------------------------------------------------------------------------------------
+# A ring of blocking sends and receives: transfer times, by call order
+# --------------------------------------------------------------------------------------------
+
+
+def blocking_ring_time(sends_first: Sequence[bool]) -> int:
+    """Transfer times of a blocking ring all-reduce (2(N-1) steps, N = ``len(sends_first)``),
+    rank r calling send before receive if ``sends_first[r]``: each transfer takes one unit and
+    starts once its sender and its receiver have both reached it (gloo sends only into a posted
+    receive).
+
+    Shown in lesson 06, §4 (folded: open after lab 06 passes)."""
+    from functools import cache
+
+    n = len(sends_first)
+
+    @cache
+    def done(r, t):   # when rank r's step-t send (rank r+1's step-t receive) completes
+        if t < 0:
+            return 0
+        right = (r + 1) % n
+        sender_ready = done((r - 1) % n, t - 1 if sends_first[r] else t)   # after its receive
+        receiver_ready = done(right, t) if sends_first[right] else done(right, t - 1)
+        return 1 + max(sender_ready, receiver_ready)
+    return max(done(r, 2 * (n - 1) - 1) for r in range(n))
+
+
+def blocking_ring_orders(world_sizes: Sequence[int]) -> dict:
+    """For two call orders, ``{order: (per_step, derived)}``: transfer times per step from
+    :func:`blocking_ring_time` at each N, and what lesson 06's folded text derives for them.
+
+    Shown in lesson 06, §4 (folded: open after lab 06 passes)."""
+    orders = {
+        "even ranks send first, odd ranks receive first":
+            (lambda n: [r % 2 == 0 for r in range(n)],
+             lambda n: 2 if n % 2 == 0 else 2 * n / (n - 1)),
+        "only rank 0 receives first (a chain)":
+            (lambda n: [r != 0 for r in range(n)], lambda n: n),
+    }
+    return {name: ({n: blocking_ring_time(order(n)) / (2 * (n - 1)) for n in world_sizes},
+                   {n: derived(n) for n in world_sizes})
+            for name, (order, derived) in orders.items()}

@@ -367,8 +367,8 @@ class Zero3(Stage):
       hook);
     * backward: all-gather again when the gradient of its output arrives (a hook on the output
       tensor); once the layer's gradients are complete, free the weights, then reduce-scatter
-      the gradients — FSDP2's order with its defaults (``FSDPParamGroup.post_backward``
-      calls ``reshard()``, when ``reshard_after_backward``, before ``foreach_reduce``), so the full weights and the full gradient are not both
+      the gradients — FSDP2's order with its defaults (lesson 08, §6, reads it in torch's
+      source), so the full weights and the full gradient are not both
       alive during the reduce-scatter.
 
     Three collectives over every weight per step — all-gather, all-gather, reduce-scatter —

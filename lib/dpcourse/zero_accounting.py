@@ -191,7 +191,9 @@ def summarize_traffic(calls, world_size: int) -> dict:
 
 def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4, *,
                      grad_bytes: int | None = None) -> int:
-    """The volume a step should record (bytes; see the convention above).
+    """The volume a step should record (bytes; see the convention above), for one forward and
+    one backward per step: with k accumulation micro-batches ZeRO-2, which keeps no full
+    gradient, reduce-scatters k times, and ZeRO-3 gathers and reduce-scatters k times.
 
     * ``ddp``: one all-reduce of the Ψ gradients: 2Ψ;
     * ``zero1``, ``zero2``: reduce-scatter the gradients, all-gather the weights, each over the

@@ -32,7 +32,8 @@ from . import (common, interactive, l02_data_parallel, l03_ddp_first_principles,
                l04_ddp_in_practice, l05_mirrored_strategy, l06_ring_allreduce, l07_inside_ddp,
                l08_sharded_data_parallel, l09_beyond_lockstep, l10_bug_zoo,
                l11_beyond_data_parallel)
-from .common import figure_to_png, folded_code_bundle, new_figure, show, show_code
+from .common import (figure_to_png, folded_code_bundle, folded_output, new_figure, show,
+                     show_code)
 from .interactive import explorer, quiz, widget_with_fallback
 from .l02_data_parallel import (dp_step_figure, dp_timeline_figure, record_dp_step,
                                 traffic_both_ways_figure)

@@ -8,9 +8,11 @@ nbval does not compare images, while an SVG embeds a date and would fail.
 
 from __future__ import annotations
 
+import contextlib
 import io
 
-__all__ = ["new_figure", "figure_to_png", "show", "show_code", "folded_code_bundle"]
+__all__ = ["new_figure", "figure_to_png", "show", "show_code", "folded_code_bundle",
+           "folded_output"]
 
 
 def new_figure(width: float = 6.0, height: float = 4.0, dpi: int = 80):
@@ -92,3 +94,27 @@ def folded_code_bundle(code_html: str, label: str) -> dict[str, str]:
                        "this output in JupyterLab, on the course website or on GitHub and "
                        "click the label]"),
     }
+
+
+@contextlib.contextmanager
+def folded_output(label: str):
+    """What the ``with`` block prints (a lab's answer checked by claims) goes on the page as one
+    HTML ``<details>`` block under ``label``, folded in every viewer like
+    ``show_code(..., folded=label)``: its plain text says only that it is folded. Printed even
+    when the block raises, so a failed claim's earlier lines are not lost."""
+    import html
+
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield
+    finally:
+        try:
+            from IPython.display import display
+        except ImportError:  # plain Python: print it
+            print(buf.getvalue(), end="")
+        else:
+            pre = f"<pre>{html.escape(buf.getvalue())}</pre>"
+            bundle = folded_code_bundle(pre, label)
+            bundle["text/plain"] = bundle["text/plain"].replace("the code is", "the output is")
+            display(bundle, raw=True)

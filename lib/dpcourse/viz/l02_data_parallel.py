@@ -26,7 +26,8 @@ def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
     """Who holds what in one step of lesson 02's copy-by-copy DataParallel (``dp.data_parallel``;
     the real class on NCCL broadcasts and reduces with collectives): one column per device, one row per move
     (scatter, replicate, parallel_apply, gather + loss, backward's reduce onto device 0), arrows for what
-    crosses between devices. ``chunk_sizes`` and ``n_params`` come from the run being drawn."""
+    crosses between devices (the input's chunks, the weights, the outputs, the gradients).
+    ``chunk_sizes`` and ``n_params`` come from the run being drawn."""
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
     n = len(chunk_sizes)
@@ -36,7 +37,7 @@ def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
     fig = new_figure(1.9 * n + 2.4, 4.6)
     ax = fig.add_axes([0.0, 0.0, 1.0, 0.92])
     ax.set_xlim(-2.2, 1.9 * n)
-    ax.set_ylim(-len(rows) - 0.1, 1.05)
+    ax.set_ylim(-len(rows) - 0.1, 1.15)
     ax.axis("off")
     colours = {"data": "#cfe2f3", "weights": "#fce5cd", "compute": "#d9ead3", "dev0": "#f4cccc"}
 
@@ -51,12 +52,16 @@ def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
                                      arrowstyle="-|>", mutation_scale=9, color=colour, lw=0.9))
 
     for c in range(n):
-        ax.text(1.9 * c + 0.9, 0.75, f"device {c}", ha="center", fontsize=9, weight="bold")
+        ax.text(1.9 * c + 0.9, 0.85, f"device {c}", ha="center", fontsize=9, weight="bold")
     for r, label in enumerate(rows):
         ax.text(-2.1, -r, label, ha="left", va="center", fontsize=8.5)
     for c, size in enumerate(chunk_sizes):
         box(c, 0, f"X[{sum(chunk_sizes[:c])}:{sum(chunk_sizes[:c + 1])}]\n{size} samples",
             colours["data"])
+        if c:  # the input's chunks leave device 0, which holds the batch, over the top
+            ax.add_patch(FancyArrowPatch((0.9, 0.33), (1.9 * c + 0.9, 0.33),
+                                         connectionstyle="arc3,rad=-0.05", arrowstyle="-|>",
+                                         mutation_scale=9, color="#3d85c6", lw=0.9))
         box(c, 1, f"copy of W\n{n_params:,} numbers" if c else f"W (original)\n{n_params:,}",
             colours["weights"])
         box(c, 2, f"forward on\n{size} samples", colours["compute"])

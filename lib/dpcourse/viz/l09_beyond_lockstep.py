@@ -44,12 +44,13 @@ def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 1
 
 
 def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
-    """One panel per mode (``spans[mode][worker] = [("compute" | "wait", start, end), ...]``,
-    seconds from the mode's start): a row per worker, computing in colour, waiting in grey.
+    """One panel per mode (``spans[mode][worker] = [("compute" | "sleep" | "wait", start, end),
+    ...]``, seconds from the mode's start): a row per worker, computing in colour (the slow
+    worker in red), its injected sleep in pink, waiting in grey.
     ``applied[mode]``: the gradients the server applied, written in the panel's title."""
     modes = list(spans)
     fig = new_figure(8.5, 1.2 + 1.1 * len(modes) * max(len(v) for v in spans.values()) / 2)
-    colours = {"compute": "#1f77b4", "wait": "#d9d9d9"}
+    colours = {"compute": "#1f77b4", "sleep": "#f7c6c7", "wait": "#d9d9d9"}
     for i, mode in enumerate(modes):
         ax = fig.add_subplot(len(modes), 1, i + 1)
         workers = sorted(spans[mode])
@@ -65,7 +66,8 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
         ax.set_title(f"{mode}: {applied[mode]} gradients applied", fontsize=9)
         ax.set_xlim(0, budget * 1.15)
         if i == len(modes) - 1:
-            ax.set_xlabel("seconds (dotted: the budget; blue/red: computing, grey: waiting)")
+            ax.set_xlabel("seconds (dotted: the budget; blue/red: computing, pink: the slow "
+                          "worker's injected sleep, grey: waiting)")
     fig.subplots_adjust(left=0.16, right=0.98, bottom=0.16, top=0.92, hspace=0.6)
     return fig
 

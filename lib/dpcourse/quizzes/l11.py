@@ -1,0 +1,57 @@
+"""Lesson 11's check-yourself questions (``lessons/11_beyond_data_parallel.py``, its last code cell
+shows them with ``viz.quiz(quizzes.questions("11"))``): in ``viz.quiz``'s form."""
+
+QUESTIONS = [
+    {"q": "ZeRO-3 on 4096 GPUs holds 0.7 GB of GPT-3's model state per GPU. Why can it still "
+          "not train it at batch 1 without recomputation?",
+     "options": ["The all-gathers need the whole model at once",
+                 "Each GPU runs whole layers on a whole sequence: 275 GB of activations (82 GB "
+                 "with flash attention, over the 85.9 GB with ZeRO-3's working set), which no "
+                 "number of data-parallel ranks divides",
+                 "Adam's state is not sharded by ZeRO-3"],
+     "answer": 1,
+     "why": ["Only one or two layers' weights at a time (its working set).",
+             "Right: activations belong to the micro-batch, not the model.",
+             "It is: ZeRO-3 shards all 16 bytes."]},
+    {"q": "A tensor-parallel MLP's micro-batch doubles from 1 to 2 sequences. What happens to "
+          "the bytes its all-reduces carry, and to the bytes DDP all-reduces for the same MLP?",
+     "options": ["Both double",
+                 "Tensor parallelism's double; DDP's stay the same",
+                 "DDP's double; tensor parallelism's stay the same"],
+     "answer": 1,
+     "why": ["DDP all-reduces gradients, whose size is the model's.",
+             "Right: tensor parallelism sums activations (tokens × d), DDP gradients (Ψ).",
+             "It is the other way round."]},
+    {"q": "In the tensor-parallel MLP, what does the GeLU between the two layers need from "
+          "the other ranks?",
+     "options": ["Nothing: it acts on each feature alone, so the block is all it needs",
+                 "All of their hidden features: they are all-gathered before it",
+                 "Their partial sums: it is linear, so it commutes with the sum"],
+     "answer": 0,
+     "why": ["Right: an element-wise function of a block is the block of the function.",
+             "Nothing is gathered between the two layers.",
+             "GeLU is not linear; that is why it must come before the sum, not after."]},
+    {"q": "A GPipe pipeline of 8 stages. How many micro-batches keep the bubble — the idle "
+          "share of the step, (K−1)/(M+K−1), as section 3 measures it — under 10 %?",
+     "options": ["8", "32", "64"],
+     "answer": 2,
+     "why": ["7/15 ≈ 47 %.", "7/39 ≈ 18 %.",
+             "Right: 7/71 ≈ 9.9 %. By Narayanan et al.'s bubble fraction, (p−1)/m, idle time "
+             "over compute time (the planner's idle_over_work column), 64 give 7/64 ≈ 10.9 %: "
+             "under 10 % takes 71 there."]},
+    {"q": "Why does Megatron-LM keep tensor parallelism inside a node?",
+     "options": ["It needs more memory than pipeline parallelism",
+                 "Its all-reduces happen in every layer, mostly on the critical path, so they "
+                 "need the node's fast links (NVLink), not the network",
+                 "DTensor cannot span nodes"],
+     "answer": 1,
+     "why": ["It saves memory.", "Right: four all-reduces per layer per micro-batch.",
+             "It can; it is just slow."]},
+    {"q": "Data parallelism on 32 ranks of 16 examples, B_noise ≈ 60. Doubling to 64 ranks "
+          "cuts the steps by about…",
+     "options": ["2×", "1.06×", "0.5×"],
+     "answer": 1,
+     "why": ["Only far below B_noise.",
+             "Right: (1 + 60/512)/(1 + 60/1024) ≈ 1.06.",
+             "More ranks never need more steps in this model."]},
+]
