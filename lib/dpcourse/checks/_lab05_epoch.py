@@ -8,12 +8,13 @@ A right epoch is run again wrapped in tf.function, where a count read off a stat
 a Python number handed to the replica context's all_reduce, or one set in the loop over the
 batches for the step to read, is named by its cause.
 
-Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
+The stretch's second epoch, padded with weight-0 samples, is judged in
+:mod:`dpcourse.checks._lab05_padded`, which uses the replay and the runner here. Imported by
+:mod:`dpcourse.checks.lab05`, where the lab calls it.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import numpy as np
@@ -277,6 +278,49 @@ def check_partial_batch_epoch(train_epoch, strategy) -> None:
            f"replicas)")
 
 
+def epochs_of_losses(step_fns, strategy, gb: int) -> list:
+    """What :func:`_check_epoch_once` runs for each of the training loops built on the losses
+    in ``step_fns`` (each ``step_fn(model, optimizer)`` -> the function ``strategy.run`` runs on
+    a step), over the stretch's epoch in global batches of ``gb``, all of them in ONE eager pass
+    over :func:`_epoch_steps` and ONE ``tf.function`` over the epoch's dataset (a trace and a
+    dataset iterator cost more than the steps they run): per loop ``{"eager": weights after the
+    eager pass, "spy": its :class:`_LossSpy` notes, "traced": weights after the traced pass}``,
+    each loop training a fresh model of its own. For the tests' batch of answers that run
+    (:func:`dpcourse.checks.lab05.epoch_of_loss_results`); one that raises stops the batch
+    (give it to the check)."""
+    import warnings
+
+    pairs, spies = [], []
+    for traced in (False, True):
+        with strategy.scope():
+            made = [(_stretch_model(), keras.optimizers.SGD(learning_rate=0.5))
+                    for _ in step_fns]
+        runs = [make(model, opt) for make, (model, opt) in zip(step_fns, made)]
+        if not traced:
+            spies = [_LossSpy() for _ in runs]
+            for batch in _epoch_steps(strategy, gb):
+                for run, spy in zip(runs, spies):
+                    notes = (spy.targets, spy.implicit, spy.keras_mean) if spy.__dict__ else (
+                        [], False, None)
+                    with spy:
+                        strategy.run(run, args=batch)
+                    spy.targets, spy.implicit = notes[0] + spy.targets, notes[1] or spy.implicit
+                    spy.keras_mean = spy.keras_mean or notes[2]
+        else:
+            dist = strategy.distribute_datasets_from_function(_epoch_dataset_fn(gb))
+
+            def epoch():
+                for batch in dist:
+                    for run in runs:
+                        strategy.run(run, args=batch)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)   # tf.data's options note, traced
+                tf.function(epoch)()
+        pairs.append([model.get_weights() for model, _ in made])
+    return [{"eager": eager, "spy": spy, "traced": traced}
+            for eager, spy, traced in zip(pairs[0], spies, pairs[1])]
+
+
 def _epoch_dataset_fn(gb: int):
     """The dataset function of the stretch's epoch in global batches of ``gb``: each input
     pipeline's share of the data, in per-replica batches."""
@@ -302,12 +346,15 @@ def _epoch_steps(strategy, gb: int) -> list:
     return steps
 
 
-def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch") -> None:
+def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch",
+                      outcome: dict | None = None) -> None:
     """``train_epoch`` over the stretch's epoch in global batches of ``gb`` must move the weights
     as one device does, run as written and wrapped in ``tf.function`` (a fresh distributed
     dataset each time). A loop that is the check's own (``who`` is the learner's loss, not a
     train_epoch) is handed the eager run's steps ready-made (:func:`_epoch_steps`): it iterates
-    whatever it is given, and the per-replica batches are the dataset's."""
+    whatever it is given, and the per-replica batches are the dataset's. ``outcome``: the two
+    runs already made (:func:`epoch_of_loss_results`, the tests' batch of answers): judged
+    here as this function's own runs are."""
     __tracebackhide__ = True
     n = strategy.num_replicas_in_sync
     last = _expected_split(n, gb)[-1]
@@ -317,10 +364,13 @@ def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch") 
     def dataset():
         return strategy.distribute_datasets_from_function(_epoch_dataset_fn(gb))
 
-    model, spy = _run_epoch(train_epoch, strategy,
-                            dataset() if who == "train_epoch" else _epoch_steps(strategy, gb),
-                            at, traced=False, who=who)
-    got = model.get_weights()
+    if outcome is not None:
+        got, spy = [w.copy() for w in outcome["eager"]], outcome["spy"]
+    else:
+        model, spy = _run_epoch(train_epoch, strategy,
+                                dataset() if who == "train_epoch" else _epoch_steps(strategy, gb),
+                                at, traced=False, who=who)
+        got = model.get_weights()
     if not all(np.all(np.isfinite(w)) for w in got):
         fail(f"the weights became NaN {at}: in the last step a replica with no samples divided "
              f"its loss by its own count, and the mean of nothing is 0/0.",
@@ -330,8 +380,12 @@ def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch") 
         return _same(got, _one_device(n, gb, divisor))
 
     if same("step"):
-        traced, _ = _run_epoch(train_epoch, strategy, dataset(), at, traced=True, who=who)
-        if _same(traced.get_weights(), got):
+        if outcome is not None:
+            traced_weights = outcome["traced"]
+        else:
+            traced, _ = _run_epoch(train_epoch, strategy, dataset(), at, traced=True, who=who)
+            traced_weights = traced.get_weights()
+        if _same(traced_weights, got):
             return
         loop = who if who == "train_epoch" else f"a training loop built on {who}"
         fail(f"run eagerly, {loop} matched one device {at}, but wrapped in tf.function "
@@ -360,52 +414,6 @@ def _check_epoch_once(train_epoch, strategy, gb: int, who: str = "train_epoch") 
              "the gradients.")
 
 
-# --- stretch B: an epoch whose last batch is padded with weight-0 samples --------------------
-
-def padded_epoch(n: int):
-    """The stretch's 100 samples padded with zero-feature, label-0 samples of weight 0 up to a
-    whole number of global batches of ``stretch_global(n)``: ``(x, y, w, global_batch)``."""
-    x, y = stretch_data()
-    gb = stretch_global(n)
-    pad = -len(x) % gb
-    x = np.concatenate([x, np.zeros((pad, x.shape[1]), np.float32)])
-    y = np.concatenate([y, np.zeros(pad, np.int64)])
-    w = np.concatenate([np.ones(len(x) - pad, np.float32), np.zeros(pad, np.float32)])
-    return x, y, w, gb
-
-
-# A wrong padded epoch the check names: replayed on one device with the weighting and divisor
-# that reproduce it (weighted, divisor: a key of _PADDED_DIVISORS), and its cause and fix.
-_Mistake = collections.namedtuple("_Mistake", "weighted divisor cause fix")
-
-# How a padded step's weighted (or unweighted) sum can be divided, as one device replays it:
-# (real, size, mine) -> replica r's divisor, from the step's real samples, its size and replica
-# r's real samples; None leaves the replica out. ("real", weighted) is the right one.
-_PADDED_DIVISORS = {
-    "real": lambda real, size, mine, n: real,
-    "size": lambda real, size, mine, n: size,
-    "own": lambda real, size, mine, n: mine * n if mine else None,
-    "padded_skipped": lambda real, size, mine, n: None if real < size else real,
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _padded_one_device(n: int, weighted: bool, divisor: str) -> tuple:
-    """SGD on one device over the padded epoch, replayed the way ``n`` replicas would split each
-    step (``gb / n`` samples each, in order): replica r's summed losses — each times its weight
-    if ``weighted`` — are divided by ``_PADDED_DIVISORS[divisor]``. Replayed once per process."""
-    x, y, w, gb = padded_epoch(n)
-    per = gb // n
-    how = _PADDED_DIVISORS[divisor]
-    steps = []
-    for start in range(0, len(x), gb):
-        ws = w[start:start + gb]
-        steps.append((x[start:start + gb], y[start:start + gb], ws if weighted else None,
-                      [how(float(ws.sum()), gb, float(ws[r * per:(r + 1) * per].sum()), n)
-                       for r in range(n)], [per] * n))
-    return _replay(steps)
-
-
 def _fresh_run(train_epoch, strategy, dist, traced: bool):
     """A fresh mirrored stretch model and SGD (lr 0.5) under ``strategy``, and the call that
     runs ``train_epoch`` on them over ``dist``, as written or wrapped in ``tf.function``."""
@@ -424,147 +432,3 @@ def _first_line(exc, traced: bool) -> str:
     if traced and len(lines) > 1 and lines[0].startswith("in user code"):
         return lines[-1]
     return lines[0] if lines else ""
-
-
-def _run_padded(train_epoch, strategy, traced: bool, at: str, data=None):
-    """``train_epoch`` on a fresh mirrored stretch model over ``data`` (``(x, y, w, gb)``; the
-    padded epoch when None), as written or wrapped in ``tf.function``: its weights after."""
-    __tracebackhide__ = True
-    n = strategy.num_replicas_in_sync
-    x, y, w, gb = padded_epoch(n) if data is None else data
-    model, run = _fresh_run(train_epoch, strategy, strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y, w)).batch(gb)), traced)
-    how = "wrapped in tf.function" if traced else "run as written"
-    import warnings
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)   # tf.data's options note, traced
-            run()
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the learner's code, reported in one line
-        fail(f"train_epoch raised {type(exc).__name__} {how} {at}: {_first_line(exc, traced)}")
-    return model.get_weights()
-
-
-@recorded
-def check_padded_epoch(train_epoch, strategy) -> None:
-    """Stretch B: ``train_epoch(strategy, model, optimizer, dist_dataset)`` over the stretch's
-    100 samples padded to whole global batches with weight-0 samples (elements ``(x, y, w)``)
-    must leave the weights where one device leaves them after the unpadded batches, each step's
-    loss the mean over its real samples — run as written and wrapped in ``tf.function``, on
-    the lab's strategy and one with a replica more. A wrong epoch is named by the divisor and
-    weighting whose one-device replay gives its weights."""
-    __tracebackhide__ = True
-    tried = []
-    for strat in strategies_for(strategy):
-        n = strat.num_replicas_in_sync
-        x, y, w, gb = padded_epoch(n)
-        last = w[-gb:]
-        per = gb // n
-        reals = [int(last[r * per:(r + 1) * per].sum()) for r in range(n)]
-        real, pad = int(last.sum()), gb - int(last.sum())
-        at = (f"(global batch {gb} on {n} replicas; the last step's {gb} samples are {real} real "
-              f"and {pad} padding, real per replica {'+'.join(map(str, reals))})")
-        got = _run_padded(train_epoch, strat, False, at)
-        _judge_padded(got, n, at, real, pad, gb, reals)
-        traced = _run_padded(train_epoch, strat, True, at)
-        if not _same(traced, got):
-            fail(f"run as written, train_epoch matched one device {at}, but wrapped in "
-                 f"tf.function its weights differ: something in the step was computed once, "
-                 f"when the step was traced, from a Python value — the trace is reused for "
-                 f"every step, the padded last one included.",
-                 fix="Compute what the step divides by from the batch, with tensor operations.")
-        tried.append(f"{real} real + {pad} padding on {n}")
-        _check_all_padding(train_epoch, strat)
-    passed("train_epoch: every step's loss is the mean over its real samples, the padded last "
-           f"step included, run as written and wrapped in tf.function (last steps "
-           f"{', '.join(tried)} replicas), and a step of padding alone leaves the weights "
-           f"where they are")
-
-
-def _check_all_padding(train_epoch, strategy) -> None:
-    """A step that holds no real sample (every weight 0: a loop that runs a fixed number of steps
-    pads whole ones) must leave the weights where they are, and finite — as one device, with no
-    sample to train on, leaves them. Run as written and wrapped in ``tf.function``."""
-    __tracebackhide__ = True
-    n = strategy.num_replicas_in_sync
-    gb = stretch_global(n)
-    data = (np.zeros((gb, 8), np.float32), np.zeros(gb, np.int64), np.zeros(gb, np.float32), gb)
-    at = (f"(one step of {gb} samples on {n} replicas, {gb // n} each, all padding: every "
-          f"weight w is 0)")
-    start = _stretch_model().get_weights()
-    for traced in (False, True):
-        got = _run_padded(train_epoch, strategy, traced, at, data=data)
-        how = "wrapped in tf.function" if traced else "run as written"
-        if not all(np.all(np.isfinite(v)) for v in got):
-            fail(f"the weights became nan after a step of padding alone {at}, {how}: the step's "
-                 f"real samples add up to 0, and its weighted sum of losses, 0, divided by that "
-                 f"0 is 0/0 = nan — one nan in a loss makes every weight nan after "
-                 f"apply_gradients, where one device, with no real sample to train on, leaves "
-                 f"the weights as they are.",
-                 fix="Make a step with no real sample contribute a loss of 0: a division that "
-                     "gives 0 when the count is 0 (tf.math.divide_no_nan), or a divisor kept "
-                     "at least 1.")
-        if not _same(got, start, rtol=1e-6):
-            moved = max(float(np.max(np.abs(a - b))) for a, b in zip(got, start))
-            fail(f"the weights moved (by up to {moved:.3g}) after a step of padding alone {at}, "
-                 f"{how}: no sample of that step is real, so one device has nothing to train "
-                 f"on and leaves the weights where they are — the step trained on its padding "
-                 f"(zero features, label 0), pulling the weights toward predicting class 0.",
-                 fix="Keep the padding out of every step, a step of padding alone included: "
-                     "its weighted loss is 0, and so is its gradient.")
-
-
-def _judge_padded(got, n, at, real, pad, gb, reals) -> None:
-    __tracebackhide__ = True
-    if not all(np.all(np.isfinite(v)) for v in got):
-        empty = [r for r, k in enumerate(reals) if k == 0]
-        fail(f"the weights became nan {at}: "
-             + (f"replica {empty[0]} holds only padding in the last step, so a divisor of its "
-                f"own (the sum of its weights, its real samples) is 0, and its loss 0/0."
-                if empty else "a loss was not a finite number."),
-             fix="Divide by a number the replicas share, which is not 0 while the step holds "
-                 "a real sample.")
-
-    if _same(got, _padded_one_device(n, True, "real")):
-        return
-    # each wrong weighting and divisor the check knows, in order
-    wrong = [
-        _Mistake(False, "size",
-            f"the last step trained on its padding {at}: each replica's loss was the plain "
-            f"mean over every sample it was handed, {real} real and {pad} padding divided by "
-            f"{gb} — the padding samples (zero features, label 0) pulled the weights toward "
-            f"predicting class 0 for nothing, and the {real} real samples got {real}/{gb} of "
-            f"their weight. The weights w say which samples are real.",
-            fix="Weight each example's loss by w, and divide by the number of real samples "
-                "in the step."),
-        _Mistake(True, "size",
-            f"the last step was too small {at}: the padding was weighted out of the sum, but "
-            f"the sum was divided by the step's {gb} samples, padding included — its mean over "
-            f"{real} real samples is the sum / {real}, so the last step moved the weights "
-            f"{real}/{gb} as far as one device does.",
-            fix="Divide by the sum of the step's weights, combined over the replicas inside "
-                "the step."),
-        _Mistake(False, "real",
-            f"the last step trained on its padding {at}: the sum was divided by the {real} "
-            f"real samples, but the per-example losses were not weighted, so the {pad} "
-            f"padding samples' losses are in the sum.",
-            fix="Multiply each example's loss by its weight before summing."),
-        _Mistake(True, "own",
-            f"the last step was wrong {at}: each replica divided its weighted sum by its own "
-            f"real samples times the {n} replicas ({', '.join(f'{k} x {n}' for k in reals)}) "
-            f"— the step's real count only when every replica holds as many real samples, and "
-            f"padding sits at the end of the data, on the last replicas.",
-            fix="Divide by the step's real samples, summed over the replicas inside the step."),
-        _Mistake(True, "padded_skipped",
-            f"the padded last step changed nothing {at}: its {real} real samples were never "
-            f"trained on.", fix="Train on the padded last step too, weighting out its padding."),
-    ]
-    for mistake in wrong:
-        if _same(got, _padded_one_device(n, mistake.weighted, mistake.divisor)):
-            fail(mistake.cause, fix=mistake.fix)
-    fail(f"after one epoch the weights differ from one device on the unpadded batches {at}, "
-         f"by a weighting or divisor the check does not recognise.",
-         fix="Weight each example's loss by w and divide by the real samples of the step, "
-             "summed over the replicas inside it.")

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from . import fail, passed, recorded, wrong_answers
-from ._lab11_diagnose import D, H, _DIM_NAMES, _NAMES
+from ._lab11_diagnose import D, H, _NAMES
+from ._lab11_layer_diagnosis import _DIM_NAMES
 
 __all__ = ["check_diagnosis", "check_sequence_parallel", "check_split_decision", "PASSES",
            "HELD_KEYS", "HELD_VALUES", "SP_KEYS", "SP_VALUES"]

@@ -1,7 +1,7 @@
 """Lab 11 parts 2-3: the column- and row-parallel layers, run on 2 and 3 ranks against one full
 ``nn.Linear`` (outputs, gradients, one SGD step, what each rank stores), and the prediction of
 the gradient a row layer's bias gets on each rank. The diagnosis of a wrong layer is in
-:mod:`dpcourse.checks._lab11_diagnose`; re-exported by :mod:`dpcourse.checks.lab11`."""
+:mod:`dpcourse.checks._lab11_layer_diagnosis`; re-exported by :mod:`dpcourse.checks.lab11`."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from torch import nn
 from . import check_timeout, fail, passed, recorded, refuse_reference, reveal, run_ranks
 from ._lab11_common import DEFAULT_TIMEOUT, WORLD_SIZES, _HANG, _OWN, _communicating, _todo
 from ._lab11_decisions import _RIGHT_DIM
-from ._lab11_diagnose import (D, H, ROWS, _DIM_NAMES, _LR, _STEPS, _against_dim, _block_failures,
-                              _common_layer_failures, _data, _diagnose_column, _diagnose_row,
-                              _error, _find_slice, _reference_steps, _stepped_failures,
-                              _storage_failures)
+from ._lab11_diagnose import (D, H, ROWS, _LR, _STEPS, _data, _error, _find_slice,
+                              _reference_steps, _stepped_failures)
+from ._lab11_layer_diagnosis import (_DIM_NAMES, _against_dim, _block_failures,
+                                     _common_layer_failures, _diagnose_column, _diagnose_row,
+                                     _storage_failures)
 
 
 def _full_linear(fan_in: int, fan_out: int, seed: int) -> nn.Linear:

@@ -12,8 +12,8 @@ from torch import nn
 
 from . import check_timeout, fail, passed, recorded, refuse_reference, reveal, run_ranks
 from ._lab11_common import DEFAULT_TIMEOUT, WORLD_SIZES, _HANG, _OWN, _todo
-from ._lab11_diagnose import (D, H, ODD_H, ROWS, _STEPS, _data, _diagnose_mlp, _error,
-                              _match_param, _plain_mlp)
+from ._lab11_diagnose import D, H, ODD_H, ROWS, _STEPS, _data, _error
+from ._lab11_layer_diagnosis import _diagnose_mlp, _match_param, _plain_mlp
 from ._lab11_layers import _sgd_outputs
 from ._lab11_norm import SHIFT, check_normed, normed_worker
 

@@ -3,9 +3,9 @@ step (or bubble) from another — the cases they run (stages, micro-batches, the
 of each forward) and the diagnosis that turns what each stage reported into the one sentence
 that names its mistake.
 
-Kept apart from :mod:`dpcourse.checks._lab11_diagnose`, which reads the tensor-parallel parts:
-a pipeline stage's mistakes (order, accumulation, timing what is not computation) are another
-idea. :mod:`dpcourse.checks.lab11` runs the stages and calls these.
+Kept apart from :mod:`dpcourse.checks._lab11_diagnose` and ``_lab11_layer_diagnosis``, which
+read the tensor-parallel parts: a pipeline stage's mistakes (order, accumulation, timing what is
+not computation) are another idea. :mod:`dpcourse.checks.lab11` runs the stages and calls these.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ prediction, never before. The stretch: ``make_dist_dataset`` with ``distribute_d
 (:mod:`dpcourse.checks._lab05_pipeline`: order, the short last step kept, a global batch the
 replicas do not divide handled by the learner's own decision, the dataset function called as on
 2 workers), and ``train_epoch`` over an epoch whose last batch is padded with weight-0 samples
-(:func:`dpcourse.checks._lab05_epoch.check_padded_epoch`: the padding trained on, divided by
+(:func:`dpcourse.checks._lab05_padded.check_padded_epoch`: the padding trained on, divided by
 the padded size, unweighted, a replica's own weights; a step of padding alone must leave the
 weights unchanged: nan (0/0) and a step trained on its padding named). ``check_partial_batch_epoch`` (an epoch
 whose last step is short, for a whole ``train_epoch``) stays for courses that ask for it; part
@@ -63,10 +63,10 @@ from dpcourse.checks._lab05_common import (_HiddenSpy, _LibrarySpy, _captured_no
                                            _local, _refuse_library, distribute_slices, keras,
                                            pieces, reference_batch, required_positional,
                                            strategies_for, tf)
-from dpcourse.checks._lab05_epoch import (_check_epoch_once, check_padded_epoch,
-                                          check_partial_batch_epoch, padded_epoch)
+from dpcourse.checks._lab05_epoch import _check_epoch_once, check_partial_batch_epoch
 from dpcourse.checks._lab05_model import (START_SEED, check_model_and_optimizer,
                                           start_model)
+from dpcourse.checks._lab05_padded import check_padded_epoch, padded_epoch
 from dpcourse.checks._lab05_pipeline import (PIPELINES, _expected_split, check_dataset_fn,
                                              stretch_data, stretch_global)
 from dpcourse.checks._lab05_predict import (LAST_STEP_CHOICES, LAST_STEP_QUESTION,
@@ -82,7 +82,8 @@ __all__ = ["check_per_replica_loss", "check_model_and_optimizer", "check_train_s
            "last_step", "last_step_sizes", "check_last_step_prediction",
            "check_pipeline_prediction", "epoch_size", "LAST_STEP_QUESTION", "LAST_STEP_CHOICES",
            "stretch_data", "stretch_global", "PENALTY", "uneven_slices", "start_model",
-           "START_SEED", "PIPELINES", "short_slices", "keras", "tf", "_expected_split", "_HOW"]
+           "START_SEED", "PIPELINES", "short_slices", "keras", "tf", "_expected_split", "_HOW",
+           "epoch_of_loss_results"]
 
 
 @recorded
@@ -239,25 +240,51 @@ def _check_loss_once(per_replica_loss, strat, global_batch: int) -> list:
     return sizes
 
 
-def _check_epoch_of_loss(per_replica_loss, strat) -> str:
+def _loss_step(per_replica_loss, model, optimizer):
+    """The step of the check's training loop built on the learner's loss (as lab 05's step is):
+    the function ``strategy.run`` runs on each step."""
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = per_replica_loss(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return step_fn
+
+
+def _check_epoch_of_loss(per_replica_loss, strat, outcome: dict | None = None) -> str:
     """A training loop built on the learner's loss (the check's, as lab 05's step is) runs the
     stretch's epoch of 100 samples, whose last step is short, as written and wrapped in
-    ``tf.function``; its weights must be one device's. Returns the last step's split."""
+    ``tf.function``; its weights must be one device's. Returns the last step's split.
+    ``outcome``: the two runs already made (:func:`epoch_of_loss_results`), judged alike."""
     __tracebackhide__ = True
     n = strat.num_replicas_in_sync
 
     def train_epoch(strategy, model, optimizer, dist_dataset):
-        def step_fn(x, y):
-            with tf.GradientTape() as tape:
-                loss = per_replica_loss(y, model(x, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
+        step_fn = _loss_step(per_replica_loss, model, optimizer)
         for batch in dist_dataset:
             strategy.run(step_fn, args=batch)
 
-    _check_epoch_once(train_epoch, strat, stretch_global(n), who="per_replica_loss")
+    _check_epoch_once(train_epoch, strat, stretch_global(n), who="per_replica_loss",
+                      outcome=outcome)
     return f"{'+'.join(map(str, _expected_split(n, stretch_global(n))[-1]))} on {n}"
+
+
+def epoch_of_loss_results(losses, strategy) -> dict:
+    """For the tests' batch of per_replica_loss answers that run (right numbers, or refused
+    after them): what :func:`check_per_replica_loss`'s epoch runs for each, on the lab's
+    strategy and the one with a replica more, from one eager pass and one ``tf.function`` per
+    replica count for the whole batch (see :func:`dpcourse.checks._lab05_epoch.epochs_of_losses`):
+    ``{(loss, id(strat)): outcome}``, each outcome for ``_check_epoch_of_loss(loss, strat,
+    outcome)`` to judge as it judges its own runs."""
+    from dpcourse.checks._lab05_epoch import epochs_of_losses
+
+    losses, out = list(losses), {}
+    for strat in strategies_for(strategy):
+        gb = stretch_global(strat.num_replicas_in_sync)
+        makers = [lambda model, opt, fn=fn: _loss_step(fn, model, opt) for fn in losses]
+        for fn, outcome in zip(losses, epochs_of_losses(makers, strat, gb)):
+            out[(fn, id(strat))] = outcome
+    return out
 
 
 PENALTY = 0.75   # the regularisation term the penalty check hands every replica

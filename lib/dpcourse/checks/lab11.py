@@ -89,7 +89,8 @@ process. The values are chosen so that each classic mistake leaves its own trace
   timings, and a measured bubble below (K−1)/(M+K−1).
 
 What each wrong answer looks like, and the sentence that names it, is read by
-:mod:`dpcourse.checks._lab11_diagnose` (with the cases every check runs) and, for the stretch,
+:mod:`dpcourse.checks._lab11_diagnose` (with the cases every check runs; the layers' and the
+MLP's in :mod:`dpcourse.checks._lab11_layer_diagnosis`) and, for the stretch,
 :mod:`dpcourse.checks._lab11_pipeline`; the three decisions made before any code are judged in
 :mod:`dpcourse.checks._lab11_decisions`; part 5's arrangement the lesson did not show (a layer
 norm between the two layers) is run and read in :mod:`dpcourse.checks._lab11_norm`; this
