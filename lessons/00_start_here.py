@@ -173,7 +173,7 @@ claim("NCCL is chosen only when every rank can own a GPU",
 # From lesson 03 on, cells start several processes ("ranks") that work together. They talk
 # through a *process group*: the set of processes that take part in collective operations
 # (such as the `all_reduce` below) together, created by `torch.distributed.init_process_group`
-# (here `spawn` calls it for us) with a backend (gloo or NCCL, as above). Doing that from
+# (here `spawn` calls it for us) with a backend (gloo or NCCL, as above). Starting them from
 # a notebook has traps — a function defined in a cell cannot normally be sent to another process
 # (below: why, and how `spawn` gets round it), ranks print on top of each other, and a rank that
 # crashes can leave the others waiting: up to the group's timeout (30 minutes by default on

@@ -145,8 +145,8 @@ claim("none of its buffers is among its parameters",
 
 # %% [markdown]
 # What a replica's forward does to the module's *buffers*, and what of it reaches the module,
-# is lab 02's part 5, so how replica 0 is built and torch's rule wait, folded, with the
-# sources at the end. One consequence is shown here, the one that matters most for training:
+# is lab 02's part 5, so how replica 0 is built waits, folded, after the lab pointer, and torch's
+# rule with the sources at the end. One consequence is shown here, the one that matters most for training:
 # BatchNorm's *running* mean and variance (buffers, updated by every training-mode forward) are
 # **not the whole batch's** after a DataParallel forward. A small BatchNorm model shows it:
 

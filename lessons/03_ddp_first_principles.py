@@ -330,7 +330,7 @@ viz.show_code(ddp.manual_dp_worker,
 manual = launch.spawn(ddp.manual_dp_worker, world_size, cfg, backend=backend, timeout=120)
 claim("first-step gradients: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["grads"], single["grads"]) for r in manual) < tol)
-if world_size == 2:   # why 2 ranks agree to the last bit: the lesson's last section
+if world_size == 2:   # why 2 ranks agree to the last bit: "The reducer's arithmetic"
     claim("2 ranks: first-step gradients, hand-averaged == DDP bit for bit (same_bits)",
           all(same_bits(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)))
 else:                 # with 3 or more ranks the two round differently in the last bits
@@ -380,7 +380,7 @@ claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for 
 # %% [markdown]
 # Against DDP, the hand-averaged gradients agree bit for bit on 2 ranks but not on 3: DDP orders
 # its arithmetic differently from the library's `average_gradients` — how, and in which two
-# ways, the lesson's last section says and measures, for after your lab passes.
+# ways, "The reducer's arithmetic" says and measures, for after your lab passes.
 #
 # **A question to try:** suppose each rank stepped with its own gradients and the ranks then
 # averaged their *weights*. Would that give the same weights as averaging the gradients, with
@@ -425,7 +425,7 @@ else:
 # %% [markdown]
 # ## How DDP does it
 # This section reads DDP's internals from what they record. How the reducer does its
-# arithmetic is reference for after your lab: the last section, "The reducer's arithmetic".
+# arithmetic is reference for after your lab: the section "The reducer's arithmetic".
 #
 # Inside `DistributedDataParallel` the work is done by its **reducer**: a C++ object that owns
 # the gradient buckets and launches their all-reduces. It belongs to **c10d**, torch's C++
@@ -434,7 +434,7 @@ else:
 #
 # 1. **Broadcast at construction.** With `init_sync=True` (the default; `False` skips it and
 #    leaves equal weights to you) it copies rank 0's weights and buffers (not the buffers
-#    under the deprecated `broadcast_buffers=False`: the last section) to every rank, so
+#    under the deprecated `broadcast_buffers=False`: "The reducer's arithmetic") to every rank, so
 #    the ranks start equal even if they were initialised differently (`manual_dp_worker` did
 #    the same for the weights by hand).
 # 2. **Buffers broadcast before a forward.** Buffers are a module's state that is not a
@@ -444,7 +444,7 @@ else:
 #    forward ran with gradients enabled and outside `no_sync()` (a context in which a backward
 #    does not average the gradients, for accumulating them over several batches: lesson 04),
 #    in `train()` or `eval()` mode alike (which forwards skip it, the buffers section
-#    measures). (Before torch 2.13 the switch was `broadcast_buffers`: the last section.)
+#    measures). (Before torch 2.13 the switch was `broadcast_buffers`: "The reducer's arithmetic".)
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (by default 25 MiB, and
 #    1 MiB for the first bucket, kept small "to reduce latency"; an explicit `bucket_cap_mb`
@@ -1043,7 +1043,7 @@ claim("both are last-bit rounding: the gradients agree to 1e-6",
 # is a class of its own, `Async<Collective>CUDA…Work`, compiled into torch's libraries; their
 # names, searched in the installed ones, say which collectives have it (**▶ folded**; it
 # matters only where gloo is handed GPU tensors, which no profile of this course does).
-# Besides the table's four, the claim names operations this lesson does not use: `reduce` and `gather` (the
+# Besides the four of "The four collectives", the claim names operations this lesson does not use: `reduce` and `gather` (the
 # result on one rank only), `scatter` (one rank's pieces, one to each rank), `all_to_all`
 # (every rank sends a piece to every rank), and `send`/`recv` (one rank to one other).
 
@@ -1095,7 +1095,7 @@ claim("this torch's gloo can make its TCP transport and has no ibverbs one (libt
 # - DDP runs one process per device; the processes meet at a rendezvous and talk through
 #   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
 # - Every rank ending each backward with the average of the ranks' gradients (lab 03; DDP's way
-#   of computing it is in the last section) makes each rank's step the
+#   of computing it is in "The reducer's arithmetic") makes each rank's step the
 #   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
 #   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
 #   as no layer couples the samples of a batch (training-mode BatchNorm does) and the forward

@@ -610,8 +610,8 @@ viz.show_code(mirrored.keras_loss_per_replica)
 # **Seven pairings: per-replica loss × how the gradients are combined** (measured and claimed
 # below the table; the second row's, by its losses).
 #
-# With every replica's slice the same size, as in every step this lesson trains (a last step of
-# one sample, after the lab pointer, is the exception; what stays right when slices differ is lab
+# With every replica's slice the same size, as in every training step of this lesson (the
+# one-sample last step after the lab pointer trains nothing; what stays right when slices differ is lab
 # 05's question), each framework is right only with its own pairing:
 #
 # | per-replica loss | replicas' gradients | result, equal slices |

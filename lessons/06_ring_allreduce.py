@@ -209,8 +209,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # meets the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against
 # ⌈log₂N⌉. So the ring is "bandwidth-optimal, latency-suboptimal": a consequence of their
 # bounds, held below against the simulators' counts up to N = 64 (at 1024, arithmetic only).
-# The others take 2⌈log₂N⌉ steps or more (the server fewer, by taking N messages at once).
-# *Recursive doubling* meets the bound, for N a power of two: in each of log₂N rounds every
+# The lesson's other algorithms take 2⌈log₂N⌉ steps or more (the server fewer, by taking N messages at once).
+# *Recursive doubling* meets the latency bound, for N a power of two: in each of log₂N rounds every
 # worker swaps its whole array with a partner and adds, log₂N(α + Kβ), half the tree's time —
 # MPICH's all-reduce for short messages (Thakur et al.).
 #
@@ -451,8 +451,8 @@ else:
 #
 # ### Using the model on machines we do not have here
 #
-# The same two numbers explain multi-GPU figures. Plug in **published link bandwidths** (a
-# link's β: the wire alone, no additions) — and
+# The same two numbers explain multi-GPU figures. Plug in **published link bandwidths** (their
+# inverse is a link's β: the wire alone, no additions) — and
 # an assumed α of 10 µs — to *predict* (a model, not a measurement) how long one all-reduce of ResNet-50's gradients (25.6 M float32 values, about 102 MB) takes on
 # 8 GPUs with a ring:
 #

@@ -639,8 +639,8 @@ claim("at every cap the predicted saving is at least 0 and at most min(B, C − 
 
 # %% [markdown]
 # **▶ The sign test behind every verdict below**: `needed`, the
-# wins a run needs for a clear verdict; `compare` and `verdict`, round by round, each with its
-# effect size.
+# wins a run needs for a clear verdict; `compare` and `verdict`, round by round, each verdict
+# with its effect size.
 
 # %% jupyter={"source_hidden": true}
 import statistics

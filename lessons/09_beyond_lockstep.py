@@ -145,7 +145,7 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 #
 # |design|sends|α terms|the network must give|
 # |---|---|---|---|
-# |ours: one server, the model one message|NK, after the NK in|2: in, then out|one card carries everything|
+# |ours: one server, the model one message|NK, after the NK in|2N: one worker after another, out then in|one card carries everything|
 # |key-value server: push, pull key by key (a key: a tensor or a slice)|NK, key i out while key i+1 comes in: time tends to the byte ratio|2 per key, overlapped|one card carries everything|
 # |sharded over all N workers, each serving 1/N|2(N−1)K/N, the ring's|2 if a rank's N−1 messages leave at once (non-blocking sends), else 2(N−1)|full bisection bandwidth (any half of the machines reaches the other half at full speed): all ranks send across the network at once|
 # |BytePS: extra CPU servers|K per worker, under the ring's once N ≥ 3|2|enough servers|

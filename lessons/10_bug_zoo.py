@@ -952,8 +952,8 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 # %% [markdown]
 # ## 5. On your own scripts: `python -m dpcourse diagnose`
 # Section 2's trace, hang report and stack dumps work on a torchrun-style script, unchanged (on
-# gloo; the stuck-call report needs blocking calls, section 1). Two of its options do not: the
-# command has no monitored barrier (`monitor=`), and a script sets up its own group, so give
+# gloo; the stuck-call report needs blocking calls, section 1). Two of `diagnose()`'s options do
+# not carry over: the command has no monitored barrier (`monitor=`), and a script sets up its own group, so give
 # its `init_process_group` the `timeout` (`group_timeout=` is for worker functions).
 # `diagnose` starts it on N local ranks with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, traces
 # its collectives, bounds it with `--timeout`, and dumps the stuck ranks' stacks. Options go

@@ -987,7 +987,7 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # </details>
 #
 # **▶ Both, read and run here, with `_real` (the op under the wrappers) and lesson 10's
-# `Recorder.run`, which logs every call and runs its `before` hooks before the real one** (a
+# `Recorder.run`, which logs every call it is handed and runs its `before` hooks before the real one** (a
 # `P2POp` needs a process group: one of a single rank; a `before` hook refuses the batch once
 # both of its ops are recorded, so nothing is sent):
 
