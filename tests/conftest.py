@@ -116,6 +116,78 @@ def distinct_run(worker, world_size, args, kwargs, timeout):
     return key
 
 
+RAISED = "this run raised on a rank: it launches alone"
+
+
+def in_one_launch(rank, world_size, worker, runs):
+    """Every run of ``runs`` (a list of argument tuples) in turn; after each, the ranks check
+    that they are still in step (the same run, no collective left over) before the next."""
+    import torch
+    import torch.distributed as dist
+
+    results = []
+    for i, args in enumerate(runs):
+        try:
+            results.append(worker(rank, world_size, *args))
+        except Exception:                           # noqa: BLE001 - that run launches alone
+            results.append(RAISED)
+        step = [torch.zeros(1) for _ in range(world_size)]
+        dist.all_gather(step, torch.tensor([float(i)]))
+        if any(int(t) != i for t in step):
+            return results[:-1]                     # out of step: the rest launch alone
+    return results
+
+
+@contextlib.contextmanager
+def answers_in_one_launch(table, timeout=240):
+    """Several answers judged in one launch, for lab-check test files whose answers are
+    stateless (each worker builds its seeded model and data): the check's own worker runs every
+    answer of a group in ``table`` (``{(worker, world_size): [args, ...]}``) in turn on one gloo
+    process group, and each answer's results are what the check receives when it asks for that
+    run. The check a learner runs still launches once per answer; everything after the launch
+    (the check's judgement, its memory of mistakes, its sentence) runs per test as before. A run
+    that raised on a rank, one not in ``table``, or a group whose launch failed or whose ranks
+    fell out of step, launches for real. One lock per group: a check running in a thread beside
+    another test never waits for the other group's launch."""
+    import copy
+    import threading
+
+    from dpcourse import launch
+
+    one_at_a_time, launched = launch.spawn, {}
+    locks = {group: threading.Lock() for group in table}
+
+    def results_of(worker, world_size):
+        group = (worker, world_size)
+        with locks[group]:
+            if group not in launched:
+                runs = table[group]
+                try:
+                    per_rank = one_at_a_time(in_one_launch, world_size, worker, runs,
+                                             backend="gloo", timeout=timeout, show_output=False)
+                except launch.LaunchError:
+                    per_rank = [[] for _ in range(world_size)]
+                launched[group] = {
+                    args: [r[i] for r in per_rank] for i, args in enumerate(runs)
+                    if all(i < len(r) and not (isinstance(r[i], str) and r[i] == RAISED)
+                           for r in per_rank)}
+            return launched[group]
+
+    def spawn(worker, world_size, *args, timeout, **kwargs):
+        if (worker, world_size) in table and kwargs.get("backend") == "gloo":
+            try:
+                outs = results_of(worker, world_size).get(args)
+            except TypeError:                       # arguments that cannot be a key
+                outs = None
+            if outs is not None:
+                return copy.deepcopy(outs)
+        return one_at_a_time(worker, world_size, *args, timeout=timeout, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "spawn", spawn)
+        yield
+
+
 def pytest_ignore_collect(collection_path, config):
     """tests/browser (JupyterLab in headless Chromium, about a minute) runs as its own command,
     README's "Browser tests", which .ci/run also runs: the main suite keeps its 10 minutes.

@@ -473,6 +473,8 @@ def _threads(order="index", join="after", grad="caller", errors="raise", n_threa
             raise errs[0][1]
         if errs and errors == "last":  # one slot, overwritten by each failing thread
             raise errs[-1][1]
+        if errs and errors == "highest":  # a learner's: the highest-numbered failing replica's
+            raise max(errs, key=lambda e: e[0])[1]
         return done if order == "finished" else results
     return apply
 
@@ -532,6 +534,7 @@ def test_right_threaded_apply_passes(fn, capsys):
     (_threads(errors="swallow"), "as if nothing happened"),
     (_threads(errors="first"), "replica 2's error, the first to fail"),
     (_threads(errors="last"), "replica 2's error, the last to fail"),
+    (_threads(errors="highest"), "replica 2's error, whichever thread failed first: the highest"),
     (pool_of_two, "ran in 2 thread(s)"),
     (_threads(catch=Exception), "`except Exception` let it end replica 1's thread"),
     (_threads(join="raise early"), "while replica 1's thread was still running"),
@@ -1132,8 +1135,12 @@ def test_buffer_mistake_met_twice_says_what_to_change():
     for attempt in (1, 2):
         with pytest.raises(LabCheckError) as err:
             lab02.check_dp_forward_backward(make_step(buffers="none"))
-    assert "copy that ran chunk 0" in str(err.value), str(err.value)
-    assert "Run the check again" not in str(err.value), str(err.value)
+    assert "which replica's, and how do its updates reach the model?" in str(err.value), (
+        str(err.value))
+    # which copy's buffers survive is part 5's question: the sentence asks it, never answers it
+    # (a fresh learner passed part 4 by copying "chunk 0's" out of the old sentence)
+    assert "chunk 0" not in str(err.value) and "Run the check again" not in str(err.value), (
+        str(err.value))
 
 
 def test_cause_first_the_fix_on_the_second_meeting():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from dpcourse import ddp
 from dpcourse.checks import LabCheckError, lab03
 
-from conftest import distinct_run, launches_replayed
+from conftest import answers_in_one_launch, distinct_run, launches_replayed
 
 # The ranks cannot import this test module, so its functions travel by value — as a notebook
 # cell's functions do.
@@ -37,74 +37,12 @@ def _launch_each_run_once():
 
 
 # --- several answers judged in one launch -------------------------------------------------------
-# (as tests/test_lab08_checks.py and tests/test_lab11_checks.py do) A launch is most of a test's
-# cost here, and the answers are stateless (each worker builds its seeded model and data): the
-# check's own worker runs every answer of a group (the same worker and world size, ONE_LAUNCH at
-# the end of this file) in turn on one process group, and each answer's results are what the
-# check receives when it asks for that run (the same key as a replay). The check a learner runs
-# still launches once per answer; here everything after the launch (the check's judgement, its
-# memory of mistakes, its sentence) runs per test as before. A run that raised on a rank, one
-# not listed (the deadlock, an answer that raises), or a group whose launch failed or whose
-# ranks fell out of step, is launched for real by the test that needs it, as before.
-RAISED = "this run raised on a rank: it launches alone"
-
-
-def _in_one_launch(rank, world_size, worker, runs):
-    """Every run of ``runs`` (a list of argument tuples) in turn; after each, the ranks check
-    that they are still in step (the same run, no collective left over) before the next."""
-    results = []
-    for i, args in enumerate(runs):
-        try:
-            results.append(worker(rank, world_size, *args))
-        except Exception:                           # noqa: BLE001 - that run launches alone
-            results.append(RAISED)
-        step = [torch.zeros(1) for _ in range(world_size)]
-        dist.all_gather(step, torch.tensor([float(i)]))
-        if any(int(t) != i for t in step):
-            return results[:-1]                     # out of step: the rest launch alone
-    return results
-
-
+# A launch is most of a test's cost here, and the answers are stateless: the groups in ONE_LAUNCH
+# (at the end of this file) each run in one launch, and the check gets each answer's results
+# (conftest.answers_in_one_launch says what still launches alone).
 @pytest.fixture(autouse=True, scope="module")
 def _answers_in_one_launch(_launch_each_run_once):
-    import copy
-    import threading
-
-    from dpcourse import launch
-
-    one_at_a_time, launched = launch.spawn, {}
-    # the deadlock's check runs in a thread beside another test: one lock per group, so that
-    # neither waits for the other's launch
-    locks = {group: threading.Lock() for group in ONE_LAUNCH}
-
-    def results_of(worker, world_size):
-        group = (worker, world_size)
-        with locks[group]:
-            if group not in launched:
-                runs = ONE_LAUNCH[group]
-                try:
-                    per_rank = one_at_a_time(_in_one_launch, world_size, worker, runs,
-                                             backend="gloo", timeout=240, show_output=False)
-                except launch.LaunchError:
-                    per_rank = [[] for _ in range(world_size)]
-                launched[group] = {
-                    args: [r[i] for r in per_rank] for i, args in enumerate(runs)
-                    if all(i < len(r) and not (isinstance(r[i], str) and r[i] == RAISED)
-                           for r in per_rank)}
-            return launched[group]
-
-    def spawn(worker, world_size, *args, timeout, **kwargs):
-        if (worker, world_size) in ONE_LAUNCH and kwargs.get("backend") == "gloo":
-            try:
-                outs = results_of(worker, world_size).get(args)
-            except TypeError:                       # arguments that cannot be a key
-                outs = None
-            if outs is not None:
-                return copy.deepcopy(outs)
-        return one_at_a_time(worker, world_size, *args, timeout=timeout, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "spawn", spawn)
+    with answers_in_one_launch(ONE_LAUNCH):
         yield
 
 

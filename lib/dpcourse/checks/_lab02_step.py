@@ -144,11 +144,11 @@ def _check_dp_buffers(dp_forward_backward) -> None:
     if same(got, before):
         fail(f"the model's BatchNorm running mean and variance did not move (num_batches_tracked "
              f"still {int(before[2])}) after a training-mode step on {batch} samples over {n} "
-             f"devices, where nn.DataParallel(model) leaves them updated once, by chunk 0's "
+             f"devices, where nn.DataParallel(model) leaves them updated once, by one chunk's "
              f"{c0} samples.",
              fix="every update was made on a copy and thrown away with it, where "
-                 "nn.DataParallel keeps one replica's (lesson 02 §2): after the step, the "
-                 "model's buffers must hold what the copy that ran chunk 0 holds in its own.")
+                 "nn.DataParallel keeps one replica's (lesson 02 §2): which replica's, and "
+                 "how do its updates reach the model?")
     if same(got[:2], want[:2]):
         fail(f"the running mean and variance are chunk 0's, but num_batches_tracked is {count}, "
              f"not {int(want[2])}: the module counted a number of updates that nn.DataParallel "
