@@ -224,7 +224,7 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 # them, these runs do not measure:
 #
 # - **The runs.** Batch sizes from 4 (Python's per-step work shared by few samples) to 256,
-#   the same 512 samples per setting, interleaved, seven rounds, the median of each. The runs of one round are back to back, in an order shuffled anew each
+#   the same 256 samples per setting, interleaved, seven rounds, the median of each. The runs of one round are back to back, in an order shuffled anew each
 #   round by a seeded generator of its own, so a slow moment that lasts a round hits them all,
 #   and a shorter one does not always fall on the same batch sizes.
 # - **One thread.** The runs use one *intra-op* thread: the threads torch starts to split
@@ -278,7 +278,7 @@ viz.show_code(train.ThroughputMeter, train.make_loaders, train.TrainConfig, trai
 batch_sizes = tuple(sorted({4, 16, batch_size, 64, 256}))   # batch_size: the one `fit` used
 m = models.SmallCNN().to(device)
 opt = torch.optim.Adam(m.parameters(), lr=lr)
-sample_batches = {bs: [b for _, b in zip(range(512 // bs), train.make_loaders(ds, bs, seed=seed)[0])]
+sample_batches = {bs: [b for _, b in zip(range(256 // bs), train.make_loaders(ds, bs, seed=seed)[0])]
                   for bs in batch_sizes}
 rounds = 7
 measured = {bs: [] for bs in batch_sizes}
