@@ -86,11 +86,15 @@ class _LossSpy:
     ``tf.GradientTape.gradient``, when it is a number: a step run eagerly, as the lab's loop
     runs it; a traced step leaves nothing) and whether ``tf.nn.compute_average_loss`` was called
     without a ``global_batch_size``. Lets the check tell apart two divisors that move the
-    weights alike: a replica's own mean / N, and compute_average_loss left to count the slice."""
+    weights alike: a replica's own mean / N, and compute_average_loss left to count the slice.
+    Its notes add up over every time it is active (a batch of loops takes turns with one spy
+    each: :func:`epochs_of_losses`)."""
 
-    def __enter__(self):
+    def __init__(self):
         self.targets, self.implicit = [], False   # (replica id, loss) in call order
         self.keras_mean = None   # the reduction of a Keras loss object called, if it scales
+
+    def __enter__(self):
         self._gradient, self._average = tf.GradientTape.gradient, tf.nn.compute_average_loss
         self._loss_call = keras.losses.Loss.__call__
         spy = self
@@ -300,12 +304,8 @@ def epochs_of_losses(step_fns, strategy, gb: int) -> list:
             spies = [_LossSpy() for _ in runs]
             for batch in _epoch_steps(strategy, gb):
                 for run, spy in zip(runs, spies):
-                    notes = (spy.targets, spy.implicit, spy.keras_mean) if spy.__dict__ else (
-                        [], False, None)
-                    with spy:
+                    with spy:   # each loop's spy active only while its own step runs
                         strategy.run(run, args=batch)
-                    spy.targets, spy.implicit = notes[0] + spy.targets, notes[1] or spy.implicit
-                    spy.keras_mean = spy.keras_mean or notes[2]
         else:
             dist = strategy.distribute_datasets_from_function(_epoch_dataset_fn(gb))
 
