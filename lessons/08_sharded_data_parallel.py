@@ -3,7 +3,8 @@
 #
 # **Prerequisites:** lesson 03 (averaging gradients with all-reduce), lesson 06 (an all-reduce
 # is a reduce-scatter followed by an all-gather) and lesson 07 (hooks during the backward).
-# New here, each explained where it first appears: mixed precision with an fp32 master copy
+# New here, each explained in the section that teaches it (section 3's one launch runs every
+# variant, FSDP2 included, and points ahead to them): mixed precision with an fp32 master copy
 # of the weights, Adam's two states per parameter, a hook on a tensor's gradient
 # (`Tensor.register_hook`), freeing a tensor's memory by resizing its storage, and FSDP2's
 # sharded parameters: a DTensor, its device mesh and its placements.
@@ -177,7 +178,8 @@ zero_calculator = viz.explorer(
 # yours to decide under the memory bound the lab states. The check weighs the gradient
 # memory alive at every arrival, and you predict the peak before you measure it. The tool it
 # needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). The library's
-# stages below hold the lab's pieces: every one of them folded, behind a ▶ label.
+# stages below hold the lab's pieces: every one of them folded, behind a ▶ label (`Zero1`,
+# stage 1, is shown: the lab does not ask for it).
 #
 # ### The library's stages, checked
 # Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
@@ -198,12 +200,19 @@ viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
               folded="▶ The flat-shard helpers — open after your lab passes")
 
 # %% [markdown]
-# **▶ `Zero1` and `Zero2` whole, with `gradient_slice`, where `step()` sends the gradients —
-# open after your lab passes** (click the folded cell below).
+# `Zero1`, section 2's stage 1: its master and Adam state are this rank's slice of the flat,
+# padded parameters; `step()` reduce-scatters the gradients into that slice, steps it, and
+# all-gathers everyone's new slices.
+
+# %%
+viz.show_code(zero.Zero1.__init__, zero.Zero1.gradient_slice, zero.Zero1.step)
+
+# %% [markdown]
+# **▶ `Zero2` whole, where its `step()` sends the gradients — open after your lab passes**
+# (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(zero.Zero1, zero.Zero2,
-              folded="▶ Zero1 and Zero2 whole — open after your lab passes")
+viz.show_code(zero.Zero2, folded="▶ Zero2 whole — open after your lab passes")
 
 # %% [markdown]
 # Is it right? Every stage trains the same small MLP from the same start, on the same shards
@@ -599,14 +608,14 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 #
 # A layer's gradient is held twice in memory for a moment: like `flatten_padded` in section 3,
 # `foreach_reduce` copies the gradients into a padded full-size buffer, the reduce-scatter's
-# input, before it drops them (`_fsdp_collectives.py` lines 597-606). That buffer does not go
+# input, before it drops them (`_fsdp_collectives.py`). That buffer does not go
 # when its reduce-scatter ends: `post_backward` keeps it in `comm_ctx.reduce_scatter_states`
-# (`_fsdp_param_group.py` 741-743) until the *next* group's `post_backward`, which makes the
-# compute stream wait for that reduce-scatter, then drops it before reducing its own (661-682;
-# `reduce_scatter_max_input_buffers`, 1 by default, line 113, is how many may stay), or, for
+# (`_fsdp_param_group.py`) until the *next* group's `post_backward`, which makes the
+# compute stream wait for that reduce-scatter, then drops it before reducing its own
+# (`FSDPCommContext.reduce_scatter_max_input_buffers`, 1 by default, is how many may stay), or, for
 # the last group, until the root's end-of-backward callback (the *root*, section 6: the
 # outermost sharded module, which queues a function for the end of the whole backward;
-# `_fsdp_state.py` 427-437), which
+# `_root_post_backward_final_callback`), which
 # does so only on the last backward of a step (`is_last_backward`, True unless
 # `set_is_last_backward(False)` says more micro-batches follow — section 6's accumulation
 # leaves it True, so every micro-batch's backward drops them; set False, the last group's
@@ -789,13 +798,21 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # gathers a group the way our `Zero3` does, from a hook registered on the forward's output
 # tensors. After the backward it does not hook each parameter: it wraps the module's *inputs*
 # in an autograd function whose backward runs when the whole module's backward is done, and
-# calls the group's `post_backward` (free, then reduce-scatter, as section 4's `Zero3`). FSDP2
-# applies it only to inputs that require a gradient (`_register_post_backward_hook` returns
-# early when it finds none). The first `Linear` here gets the data, which requires none, so
-# FSDP2 applies no such function, and its reduce-scatter runs from the root's final callback, a function
-# the root queues for the end of the whole backward (`_root_post_backward_final_callback` runs
-# `post_backward` for every group the backward did not reach).
+# calls the group's `post_backward` (free, then reduce-scatter, as section 4's `Zero3`). The
+# first `Linear` here, which gets the data, has no such function: its reduce-scatter runs
+# from the root's final callback, a function the root queues for the end of the whole
+# backward (`_root_post_backward_final_callback` runs `post_backward` for every group the
+# backward did not reach).
+
+# %% [markdown]
+# <details><summary>▶ Why the first Linear has none — open after lab 11's part 6 passes</summary>
 #
+# FSDP2 wraps only the inputs that require a gradient (`_register_post_backward_hook`,
+# `_fsdp_param_group.py`, returns early when it finds none), and the data requires none.
+#
+# </details>
+
+# %% [markdown]
 # Inside a group's `post_backward` the order is our `Zero3`'s (section 4). FSDP2 gathers and
 # frees a *parameter group* at a time (here one layer; `fully_shard(module)` makes a module's
 # parameters one `FSDPParamGroup`, and the `set_*` methods below are its switches). When a
@@ -803,10 +820,12 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # puts the gradients aside, calls `reshard()` (free the full weights), then `foreach_reduce`
 # (the reduce-scatter) — by default: `set_reshard_after_backward(False)` (below) skips
 # the `reshard()`, `set_requires_gradient_sync(False)` the reduce-scatter. By default, then,
-# a layer's full weights are gone while its gradients are reduce-scattered. The cell below
-# reads both paths (source order, indentation kept) in the installed torch:
+# a layer's full weights are gone while its gradients are reduce-scattered.
+#
+# **▶ Both paths, read in the installed torch (source order, indentation kept)** — click the
+# folded cell below; its claim is printed under it.
 
-# %%
+# %% jupyter={"source_hidden": true}
 import inspect
 
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup

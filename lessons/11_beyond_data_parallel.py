@@ -186,12 +186,36 @@ print("saved besides the activations:", {n: rs[0]["other_saved"] for n, rs in he
       "bytes referenced;", {n: rs[0]["other_resident"] for n, rs in held.items()},
       "bytes still held once the forward returns")
 claim("autograd also references whole weights, not shards — three 48 × 48 fp32 weights "
-      "(the first layer's input needs no gradient, so its weight is not saved), the same at "
+      "(not the first layer's: folded below, why), the same at "
       "N = 2 and 4 — but holds none of their bytes after the forward: FSDP2 frees each "
       "unit's gathered storage at its reshard and gathers it again in the backward "
       "(lesson 08's working set, one unit at a time)",
       all(r["other_saved"] == 3 * 48 * 48 * 4 and r["other_resident"] == 0
           for rs in held.values() for r in rs))
+
+# %% [markdown]
+# <details><summary>▶ Why not the first layer's weight — open after lab 11's part 6 passes</summary>
+#
+# A `Linear` saves its weight for the gradient of its input only, and the first layer's
+# input, the data, needs no gradient. The folded cell below checks it.
+#
+# </details>
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+def saved_by_linear(x):
+    """The shapes a Linear(48, 48) saves for its backward, on input x."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
+                                                  lambda t: t):
+        torch.nn.Linear(48, 48)(x)
+    return shapes
+
+
+data = torch.randn(8, 48)
+as_data, as_leaf = saved_by_linear(data), saved_by_linear(data.clone().requires_grad_())
+claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradient: {as_data} "
+      f"for data, {as_leaf} for an input that requires one",
+      (48, 48) not in as_data and (48, 48) in as_leaf)
 
 # %% [markdown]
 # Recomputation rescues the memory (section 5's planner counts it: about 20 GB per GPU on
@@ -292,7 +316,8 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #
 # ## 2. Tensor parallelism: Megatron-LM's MLP
 # A transformer's MLP is `Y = GeLU(X·A)·B`: X is tokens × d, A is d × h, B is h × d, with
-# h = 4d. Shoeybi et al. (*Megatron-LM*, 2019) cut it over t ranks so that no weight ever
+# h = 4d (from here on B and H are the paper's matrices, not section 1's batch and Hessian,
+# and b₁, b₂ are biases). Shoeybi et al. (*Megatron-LM*, 2019) cut it over t ranks so that no weight ever
 # travels: the ranks exchange only activations and their gradients:
 #
 # 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
@@ -300,7 +325,8 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #    activation (what the GeLU then needs, and from which ranks, is the lab's to say);
 # 2. **row-parallel** second layer: rank r keeps the r-th block of B's *rows* (h/t × d) and
 #    multiplies its own hidden features by it. What that product is next to the layer's
-#    output `Y = H·B`, and what it costs to get Y on every rank, is lab 11's part 2.
+#    output `Y = H·B` (H = GeLU(X·A), the hidden features), and what it costs to get Y on
+#    every rank, is lab 11's part 2.
 #    (And the biases, `+ b₁` and `+ b₂`? That is for you to decide in the lab too.)
 #
 # A and B are the paper's matrices, in its `X·A` convention. Whether torch's `nn.Linear`
@@ -738,7 +764,7 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
 # (p − 1)/m with p = K stages and m = M micro-batches; section 5 uses both.)
 #
 # **▶ How the M micro-batches' gradients become the whole batch's — open after lab 11's
-# stretch passes**.
+# part 6 passes** (the optional stretch needs it: doing it, open after it).
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -797,13 +823,13 @@ viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
               pipeline_parallel.reference_step)
 
 # %% [markdown]
-# **▶ One stage's loop, its launcher and the measured bubble (the lab's stretch) — open after
-# your lab passes**.
+# **▶ One stage's loop, its launcher and the measured bubble — open after lab 11's part 6
+# passes** (the optional stretch's answer: doing it, open after it).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
               pipeline_parallel.run_pipeline, pipeline_parallel.measured_bubble,
-              folded="▶ One stage's loop and its launcher — open after your lab passes")
+              folded="▶ One stage's loop and its launcher — open after lab 11's part 6 passes")
 
 # %% [markdown]
 # The two claims below rest on these lines, read from the source: `pipeline_worker` counts
@@ -944,8 +970,8 @@ claim(f"and the bytes follow: on stage k 1F1B keeps min(K − k, M)/M of GPipe's
 # %%
 viz.show_code(pipeline_parallel.torch_pipelining_worker,
               pipeline_parallel.compare_with_torch_pipelining,
-              folded="▶ torch's pipeline worker and the comparison — open after lab 11's "
-                     "stretch passes")
+              folded="▶ torch's pipeline worker and the comparison (no lab answer: open "
+                     "any time)")
 
 # %%
 versus = pipeline_parallel.compare_with_torch_pipelining(stages, m_show, "1f1b", timeout=120)
@@ -987,9 +1013,8 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # </details>
 #
 # **▶ Both, read and run here, with `_real` (the op under the wrappers) and lesson 10's
-# `Recorder.run`, which logs every call it is handed and runs its `before` hooks before the real one** (a
-# `P2POp` needs a process group: one of a single rank; a `before` hook refuses the batch once
-# both of its ops are recorded, so nothing is sent):
+# `Recorder.run`** (on a one-rank process group; a `before` hook refuses the batch once both
+# of its ops are recorded, so nothing is sent). Its claim is printed under the folded cell:
 
 # %% jupyter={"source_hidden": true}
 import torch.distributed as dist
@@ -998,7 +1023,8 @@ from torch.distributed.pipelining import schedules
 from dpcourse import collectives
 
 viz.show_code(collectives.p2pop_unwrapping, inspect.getsource(collectives._real),
-              collectives.Recorder.wrap_batch, collectives.Recorder.run)
+              collectives.Recorder.wrap_batch, collectives.Recorder.run,
+              folded="▶ The recorder's P2POp stand-in, wrap_batch, _real and Recorder.run")
 
 
 class Refused(Exception):
@@ -1217,8 +1243,9 @@ print(f"ZeRO-3's DP msgs, plan_row's formula: 3 × (layers / p) × M = 3 × {mod
 claim(f"none of ZeRO-3's {len(zero3_rows)} rows that fit is among the six fastest",
       len(zero3_rows) > 0 and all(r["stage"] != "zero3" for r in options[:6]))
 claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
-      "tensor-parallel collectives per micro-batch — the count lab 11 derives; the folded cell "
-      "above shows it (planner.TP_MESSAGES_PER_LAYER, checked against section 2's run), with "
+      "tensor-parallel collectives per micro-batch (lab 11 counts them only for MLPs, in part "
+      "6 for two stacked ones; attention and recomputation are the planner's); the folded cell "
+      "above shows the 6 (planner.TP_MESSAGES_PER_LAYER, checked against section 2's run), with "
       "which collectives they are and their split by pass",
       all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
           for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))
@@ -1247,8 +1274,8 @@ for t, r in best_per_t.items():
 times = [r["time_s"] for r in best_per_t.values()]
 claim(f"over the tensor sizes the planner tries (those dividing one node's "
       f"{cluster.gpus_per_node} GPUs: Megatron-LM's takeaway is the planner's input here, not "
-      "a finding) the best estimate falls as t grows; the planner's best has the largest, "
-      "t = 8, as the paper's row does",
+      "a finding) the best estimate falls as t grows (under the planner's assumptions, "
+      "below); the planner's best has the largest, t = 8, as the paper's row does",
       times == sorted(times, reverse=True) and max(best_per_t) == cluster.gpus_per_node
       and best["tp"] == published["tp"] == cluster.gpus_per_node)
 claim(f"the published t = 8 × p = 8 × D = 24 fits ({pub['total_bytes'] / gb:.0f} GB of the 80 planned) and "
@@ -1309,7 +1336,14 @@ viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
 # for all, and more pipeline stages trade a slightly larger bubble for less data-parallel
 # traffic and memory per GPU. This model cannot split hairs that fine, and at the very top
 # it cannot split them at all: its two fastest rows tie exactly (below), so which comes first
-# is the tie-break's choice, not the model's; the paper chose by measuring. What it separates cleanly is the tensor size. Small t is slow not for want of memory (even
+# is the tie-break's choice, not the model's; the paper chose by measuring. Its ranking of
+# the tensor size follows from two of its assumptions, not from a measurement: `plan_row`
+# gives every row the same compute time, as if each rank's matmuls, t times smaller, ran at
+# the same efficiency, and it prices a tensor-parallel collective by its bytes alone, with no
+# fixed cost per call, though t > 1 makes thousands of them per GPU per step (TP msgs,
+# above). Were the efficiency to fall with t, or each collective to cost a latency, the large
+# t would pay for it, and only a measurement could rank them. Under those assumptions, small
+# t is slow not for want of memory (even
 # t = p = 1 fits GPT-3 as ZeRO-3, below) but because t·p·D = 1536: the GPUs that t does not
 # take go to pipeline stages or data-parallel ranks. More data-parallel ranks leave fewer
 # micro-batches per pipeline (M = 2304/D), so with p stages a larger (p−1)/M; fewer stages

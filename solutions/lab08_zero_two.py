@@ -16,8 +16,10 @@
 # measure it (part 4), and you predict and measure what other orders of launching and waiting
 # would cost (part 5).
 #
-# **Where the decisions are.** Two are yours, and the lesson makes neither: in **part 1**, how
-# long a rank's piece is; in **part 3**, what to keep in flight and when to wait for it.
+# **Where the decisions are.** Two are yours: in **part 1**, how long a rank's piece is once
+# every piece must start on 16 bytes (the lesson's stages cut ⌈numel/N⌉ numbers per rank,
+# FSDP2 ⌈size of dim 0 / N⌉ rows, and neither aligns its pieces); in **part 3**, what to keep
+# in flight and when to wait for it (the lesson shows only torch's choice, folded).
 #
 # The check runs your wrapper for 3 steps on 2 ranks with Adam and on 3 ranks with SGD +
 # momentum, next to DDP with the full optimizer, on a seven-layer MLP with a **frozen** bias

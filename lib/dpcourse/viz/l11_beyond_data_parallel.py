@@ -34,7 +34,7 @@ def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str,
               (activation_gb, "#ff7f0e", "activations at batch 1 (do not shard)")]
     if working_gb:
         layers.append(([working_gb] * len(xs), "#d62728",
-                       "ZeRO-3's working set (one layer computing, one prefetched)"))
+                       "ZeRO-3's working set (two layers' weights, one's gradient)"))
     bottom = [0.0] * len(xs)
     for values, colour, label in layers:
         ax.bar(xs, values, width, bottom=bottom, color=colour, label=label)
