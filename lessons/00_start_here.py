@@ -239,14 +239,13 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
       and "cloudpickle.loads(payload)" in inspect.getsource(launch.worker_entry))
 
 # %% [markdown]
-# ### Optional aside: one group, two backends, and NCCL's one-GPU rule
+# ### Optional aside: NCCL and GPUs
 #
-# About 5 minutes, for readers who will run on GPUs; the CPU path of the later lessons does
-# not need it. Lesson 03 (two ranks sharing a GPU) and lesson 10 (NCCL's lazy connection,
-# `device_id`) point back here. Three folded runs show what lies behind the profile table's
-# `one-gpu` row: a group can have one backend per device type; NCCL connects the GPUs only when
-# it first needs to; and the installed NCCL refuses two ranks on one GPU only by default.
-# **▶ The aside** is folded below (its text, then each run with its checks): open it to read it.
+# For readers who will run on GPUs; the CPU path of the later lessons does not need it. What
+# the `one-gpu` row rests on: NCCL, by default, refuses two ranks on one GPU. The rest (a group
+# with one backend per device type, NCCL's lazy connection, the switch that lifts the one-GPU
+# rule; lessons 03 and 10 point back here) is folded below, each part with the run that
+# checks it.
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -254,8 +253,10 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
 # A group has one backend **per device type**, not necessarily one backend: torch's
 # `init_process_group` accepts `"cpu:gloo,cuda:nccl"`, and then collectives on CPU tensors go
 # through gloo and those on GPU tensors through NCCL, in the same group; every rank passes the
-# same string. The first cell below asks for that pair. On a machine without GPUs NCCL refuses
-# to start, and the cell shows the error; with GPUs the group forms at once, because NCCL sets
+# same string. The first cell below asks for that pair. A torch built without NCCL (the
+# CPU-only wheel, Binder's) refuses it before NCCL is reached; a torch built with NCCL, on a
+# machine without GPUs, refuses it in NCCL's constructor; the cell shows which error this
+# machine gives. With GPUs the group forms at once, because NCCL sets
 # up its *communicator* (the connections between the ranks' GPUs that its collectives run
 # over) only when the first collective on a GPU tensor needs it, unless `init_process_group`
 # is given a `device_id` (its docstring says so). The third run uses the same
@@ -284,8 +285,8 @@ def ask_for_nccl(rank, world_size):
                                 world_size=world_size)
         outcome = "a group with NCCL for cuda tensors was formed"
         dist.destroy_process_group()
-    except ValueError as err:
-        outcome = f"ValueError: {err}"
+    except (ValueError, RuntimeError) as err:   # no GPU: ValueError; no NCCL in torch: RuntimeError
+        outcome = f"{type(err).__name__}: {err}"
     store.set(f"tried {rank}", "")                  # every rank has finished trying ...
     store.wait([f"tried {r}" for r in range(world_size)])
     store.set(f"left {rank}", "")                   # ... and has stopped waiting for the others
@@ -296,7 +297,14 @@ def ask_for_nccl(rank, world_size):
 
 nccl_here = launch.spawn(ask_for_nccl, 2, timeout=60)
 print("rank 0:", nccl_here[0])
-if report.gpu_count == 0:
+import torch.distributed as dist
+
+if not dist.is_nccl_available():   # a torch built without NCCL, such as the CPU-only wheel
+    claim("this torch was built without NCCL: init_process_group with NCCL for cuda tensors "
+          "fails on every rank with distributed_c10d's \"doesn't have NCCL built in\"",
+          all("RuntimeError: Distributed package doesn't have NCCL built in" in r
+              for r in nccl_here), nccl_here=nccl_here)
+elif report.gpu_count == 0:
     claim("on this machine without GPUs, init_process_group with NCCL for cuda tensors fails on "
           "every rank with ProcessGroupNCCL's error",
           all("only supported with GPUs" in r for r in nccl_here), nccl_here=nccl_here)
@@ -310,9 +318,10 @@ else:
 # <details><summary>▶ open</summary>
 #
 # Two ranks on **one** GPU are another case: NCCL itself refuses them by default, which is why
-# the `one-gpu` profile runs its two ranks over gloo. It is a default, not a law — the message,
-# found below in the installed NCCL library, names the switch that lifts it — but two ranks
-# sharing one GPU's memory and compute teach nothing about scaling, so the course keeps one GPU
+# the `one-gpu` profile runs its two ranks over gloo (*read from source, not measured*: no run
+# here puts two ranks on one GPU). It is a default, not a law — the refusal's message, which
+# the run below finds in the installed NCCL library, names the switch that lifts it — but two
+# ranks sharing one GPU's memory and compute teach nothing about scaling, so the course keeps one GPU
 # per NCCL rank.
 #
 # </details>
@@ -333,9 +342,9 @@ else:
         message = (b"Multiple Ranks are using the same GPU/Partition. "
                    b"Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.")
         found = lib.find(message) >= 0
-    claim("the installed NCCL refuses two ranks on one GPU only by default: its message says "
-          "\"Multiple Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 "
-          "to enable this configuration.\"", found, library=str(nccl_lib))
+    claim("the installed NCCL library holds the message \"Multiple Ranks are using the same "
+          "GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.\", "
+          "which names the variable that lifts the refusal", found, library=str(nccl_lib))
 
 
 # %% [markdown]
@@ -438,13 +447,16 @@ claim("torch.distributed.constants.default_pg_timeout is 30 minutes",
 # %% [markdown]
 # **▶ The launch code these claims rest on** (click the folded cell below): `launch.spawn`,
 # whose `finally` kills every rank's process tree, finished or not (that is what stopped rank 0
-# long before its 30 s); `launch.wait_for_ranks`, which polls the ranks' result pipes, stops
+# long before its 30 s), with `launch.kill_tree`: `os.killpg` on the rank's process group (each
+# rank made its own with `os.setsid()` in `worker_entry`), then each descendant, listed before
+# the first kill; `launch.wait_for_ranks`, which polls the ranks' result pipes, stops
 # 1.5 s after the first error or at the timeout, and raises `RankFailedError` or
 # `LaunchTimeoutError`; and `launch.worker_entry`, what each rank runs (the last claim but one
 # reads it).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(launch.spawn, launch.wait_for_ranks, launch.worker_entry)
+viz.show_code(launch.spawn, launch.kill_tree, launch.wait_for_ranks, launch.worker_entry,
+              folded="▶ launch.spawn, kill_tree, wait_for_ranks and worker_entry")
 
 # %% [markdown]
 # ## Summary
@@ -507,9 +519,12 @@ viz.quiz(quizzes.questions("00"))
 #   only). Both list device types, not collectives: which collectives gloo runs on GPU tensors,
 #   and how it moves them through the CPU's memory, is lesson 03's (a claim there, and its
 #   Sources).
-# - `torch/distributed/distributed_c10d.py` — `_create_nccl_process_group` builds
-#   `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only supported with
-#   GPUs, no GPUs found!" on a machine without GPUs (shown above with `"cpu:gloo,cuda:nccl"`).
+# - `torch/distributed/distributed_c10d.py` — `_create_nccl_process_group` first raises
+#   `RuntimeError("Distributed package doesn't have NCCL built in")` when
+#   `is_nccl_available()` is false (a torch built without NCCL, such as the CPU-only wheel),
+#   else builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only
+#   supported with GPUs, no GPUs found!" on a machine without GPUs (shown above with
+#   `"cpu:gloo,cuda:nccl"`; the claim there follows the build).
 #   `init_process_group`'s docstring, `device_id`: only with it is NCCL's communicator formed
 #   at once "rather than the normal lazy call" (the `eager_connect_single_device` call near the
 #   end of `_new_process_group_helper`). `ProcessGroup._get_backend(device)` (used in the same
@@ -535,5 +550,6 @@ viz.quiz(quizzes.questions("00"))
 #   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's
 #   Python; its error reads "Multiple Ranks are using the same GPU/Partition. Set
 #   NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration." (the aside's folded "second run"
-#   finds it in the installed library): a default that the environment variable lifts, not
-#   an absolute rule. (Older NCCL releases said "Duplicate GPU detected".)
+#   checks only that this message is in the installed library; that NCCL refuses by default
+#   and the variable lifts the refusal is read from the message, not run): a default, not an
+#   absolute rule. (Older NCCL releases said "Duplicate GPU detected".)

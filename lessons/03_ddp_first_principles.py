@@ -38,7 +38,8 @@
 # initial broadcast use the backend that `dpcourse.devices` picks: gloo with 2 ranks on the CPU
 # here; nccl with one GPU per rank on a multi-GPU machine, where they are written to print and
 # prove the same (checked on the CPU profile only: the stored outputs are its, and the NCCL path
-# has not been run on a multi-GPU machine).
+# has not been run on a multi-GPU machine; its bit-for-bit claim between two launches rests on
+# the deterministic convolutions `setup_rank` asks cuDNN for).
 # The internals sections — 3 ranks, the buckets and their timeline, the flag for a model that
 # uses the same parameters every iteration, the buffers — always run gloo on the CPU, whatever
 # the machine, because they look at DDP's bookkeeping. What NCCL does differently there (its
@@ -132,7 +133,8 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # | `reduce_scatter(out, parts)` | a list of `world_size` pieces | piece *r* summed over the ranks |
 #
 # `all_reduce` = `reduce_scatter` followed by `all_gather` — which is how the ring of lesson 06
-# does it.
+# does it. (`collectives_demo` first calls `ddp.setup_rank()`, which returns the rank's device
+# and sets its share of the CPU threads; it is shown in the next section.)
 
 # %%
 viz.show_code(ddp.collectives_demo)
@@ -166,11 +168,13 @@ viz.show(viz.collectives_figure(before, after),
 # %% [markdown]
 # ## Averaging gradients — and DDP, which does it for you
 # Each rank computes the gradient of the **mean loss over its own shard**. The gradient of the
-# mean loss over the whole global batch is the *average* of those, when the shards are equal in
-# size, each sample's loss depends on that sample alone, and the forward draws no per-rank
-# randomness. (Training-mode BatchNorm breaks the second condition: it normalises each sample
-# with the statistics of the batch it is in, so a rank's shard gives a different gradient than
-# the global batch. The next cell shows it. Dropout would break the third: each rank draws its
+# mean loss over the whole global batch is the *average* of those, when every shard's mean
+# divides by the same count (equal shards; but padded targets skipped by `ignore_index`, or
+# class weights, change what `F.cross_entropy`'s mean divides by, shard by shard: the cell
+# below shows it), each sample's loss depends on that sample alone, and the forward draws no
+# per-rank randomness. (Training-mode BatchNorm breaks the second condition: it normalises each
+# sample with the statistics of the batch it is in, so a rank's shard gives a different
+# gradient than the global batch. The next cell shows it too. Dropout would break the third: each rank draws its
 # own masks from its own random stream, so N ranks do not take one process's step; the course's
 # `SmallCNN` has `dropout=0.0` by default, and every model in this lesson uses that default.)
 # So after `backward()` and before the optimizer step, every rank must replace each of its
@@ -181,7 +185,8 @@ viz.show(viz.collectives_figure(before, after),
 #
 # The identity in one process, no ranks needed: the average of the gradients of two halves of
 # a batch, against the gradient of the whole batch, for the course's small CNN (no BatchNorm)
-# and for a small network with a BatchNorm layer in training mode.
+# and for a small network with a BatchNorm layer in training mode; then the small CNN again,
+# with some targets in one half padded out.
 
 # %%
 from torch import nn
@@ -214,6 +219,10 @@ claim("no BatchNorm: the average of the two halves' gradients == the whole batch
       halves_vs_whole(no_bn, X16, y16) < 1e-5)
 claim("training-mode BatchNorm: they differ by more than 1e-3",
       halves_vs_whole(with_bn.train(), X16, y16) > 1e-3)
+padded = y16.clone()
+padded[:6] = -100      # cross_entropy's ignore_index: the first half counts 2 targets, the second 8
+claim("no BatchNorm, but 6 targets padded in the first half: they differ by more than 1e-3",
+      halves_vs_whole(no_bn, X16, padded) > 1e-3)
 
 # %% [markdown]
 # So DDP on a BatchNorm network takes the step of N *smaller* batches averaged, not of the
@@ -232,7 +241,8 @@ claim("training-mode BatchNorm: they differ by more than 1e-3",
 # last, prepares the process and returns the rank's device (`cuda:<rank>` under nccl, the CPU
 # under gloo); on a GPU it turns off TF32 (TensorFloat-32: float32 matrix products and
 # convolutions computed with 10 mantissa bits, not 23), whose ~1e-3 rounding would hide the
-# 1e-5 agreement below.
+# 1e-5 agreement below, and asks cuDNN for deterministic convolutions: torch lists `Conv2d` on
+# CUDA as normally nondeterministic, and a claim below compares two launches bit for bit.
 
 # %%
 viz.show_code(ddp.make_model, ddp.global_batch_for_step, ddp.ddp_worker, ddp.shard_of,
@@ -247,7 +257,8 @@ viz.show_code(ddp.make_model, ddp.global_batch_for_step, ddp.ddp_worker, ddp.sha
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(ddp.StepConfig, inspect.getsource(ddp._train_tensors), ddp.flat_params,
-              inspect.getsource(ddp._flat_grads))
+              inspect.getsource(ddp._flat_grads),
+              folded="▶ StepConfig, _train_tensors, flat_params and _flat_grads")
 
 # %% [markdown]
 # `ddp.same_bits(a, b)`, which the claims below use, asks whether two float32 tensors are equal
@@ -433,8 +444,7 @@ else:
 # face is `torch.distributed`. `DDP(model)` does four things:
 #
 # 1. **Broadcast at construction.** With `init_sync=True` (the default; `False` skips it and
-#    leaves equal weights to you) it copies rank 0's weights and buffers (not the buffers
-#    under the deprecated `broadcast_buffers=False`: "The reducer's arithmetic") to every rank, so
+#    leaves equal weights to you) it copies rank 0's weights and buffers to every rank, so
 #    the ranks start equal even if they were initialised differently (`manual_dp_worker` did
 #    the same for the weights by hand).
 # 2. **Buffers broadcast before a forward.** Buffers are a module's state that is not a
@@ -444,7 +454,8 @@ else:
 #    forward ran with gradients enabled and outside `no_sync()` (a context in which a backward
 #    does not average the gradients, for accumulating them over several batches: lesson 04),
 #    in `train()` or `eval()` mode alike (which forwards skip it, the buffers section
-#    measures). (Before torch 2.13 the switch was `broadcast_buffers`: "The reducer's arithmetic".)
+#    measures). (Before torch 2.13 the switch was `broadcast_buffers`, now deprecated: its
+#    `False` also skips the broadcast at construction, `forward_sync_buffers=False` does not.)
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (by default 25 MiB, and
 #    1 MiB for the first bucket, kept small "to reduce latency"; an explicit `bucket_cap_mb`
@@ -579,9 +590,19 @@ print("iteration 1, first bucket: "
 # %% [markdown]
 # Why one bucket first? Not because of a size limit: the model is seven times the cap. In its
 # constructor DDP does not yet know in which order the backward will produce the gradients;
-# registration order is only a guess. The ranks cannot disagree about the buckets (the reducer
-# launches them strictly in index order, and the rebuilt assignment is broadcast from rank 0 to
-# the others).
+# registration order is only a guess. During the first iteration the reducer records the order
+# in which the gradients really became ready, and before the second forward it **rebuilds the
+# buckets** in that order, once and for all (`_pre_forward` calls the reducer's
+# `_rebuild_buckets`). The ranks cannot disagree about the buckets (the reducer launches them
+# strictly in index order, and the rebuilt assignment is broadcast from rank 0 to the others).
+#
+# **▶ Going further (lesson 07's ground): the hazard one bucket guards against, and two
+# constructor flags, `static_graph` and `find_unused_parameters`, that change the first
+# iterations** — folded below, the text and four runs with their claims. The rest of this
+# lesson does not need them.
+
+# %% [markdown]
+# <details><summary>▶ open: the one bucket's hazard, and the two flags</summary>
 #
 # The comment in `_ddp_init_helper` states the intent of one bucket. When the backward also
 # runs other collectives (say, those of `nn.SyncBatchNorm`, the BatchNorm that pools every
@@ -606,10 +627,6 @@ print("iteration 1, first bucket: "
 # `find_unused_parameters=True` without `static_graph` buckets by size from the start. The
 # comment says why; the claims below check when.
 #
-# During the first iteration the reducer records the order in which the gradients really
-# became ready, and before the second forward it **rebuilds the buckets** in that order, once
-# and for all (`_pre_forward` calls the reducer's `_rebuild_buckets`).
-#
 # Two settings bucket by size from the start, in the limits DDP computes for iteration 0
 # (`ddp.initial_bucket_limits` asks DDP's own `_BucketCapacityConfig`; `ddp.bucket_limits`
 # gives the cap in bytes):
@@ -617,11 +634,14 @@ print("iteration 1, first bucket: "
 # - `find_unused_parameters=True` without `static_graph`;
 # - explicit per-bucket limits (`bucket_cap_mb_list`, a constructor argument), whatever the
 #   flags.
+#
+# </details>
 
-# %%
+# %% jupyter={"source_hidden": true}
 import sys
 
-viz.show_code(ddp.bucket_limits, ddp.initial_bucket_limits)
+viz.show_code(ddp.bucket_limits, ddp.initial_bucket_limits,
+              folded="▶ ddp.bucket_limits and initial_bucket_limits")
 one_bucket = [sys.maxsize]
 by_flags = {(static, unused): ddp.initial_bucket_limits(cap_mb, static_graph=static,
                                                         find_unused_parameters=unused)
@@ -638,12 +658,16 @@ claim(f"with bucket_cap_mb_list=[{cap_mb}], iteration 0 is bucketed by size unde
                      for unused in (False, True)))
 
 # %% [markdown]
+# <details><summary>▶ open: static_graph=True, one iteration longer</summary>
+#
 # `static_graph=True` waits one iteration longer: in its first iteration the reducer only notes
 # which parameters received a gradient, and all-reduces everything at the end of the backward
 # (`_DDPSink.backward` queues the reducer's `_delay_all_reduce`); it records the order in the second
 # iteration and rebuilds before the third. The same model and cap, with `static_graph=True`:
+#
+# </details>
 
-# %%
+# %% jupyter={"source_hidden": true}
 static_runs = launch.spawn(bucket_worker, world_size, cap_mb, small_cnn, static_graph=True,
                            backend="gloo", timeout=60)
 per_iteration = [len(seen["buckets"]) for seen in static_runs[0]]
@@ -654,11 +678,15 @@ claim("static_graph=True, iteration 2: the same buckets the default got in itera
       [b[0] for b in static_runs[0][2]["buckets"]] == [b[0] for b in second["buckets"]])
 
 # %% [markdown]
+# <details><summary>▶ open: find_unused_parameters=True, bucketed from the start</summary>
+#
 # With `find_unused_parameters=True` (and no `static_graph`) the first iteration is already
 # bucketed, and the buckets are never rebuilt (lesson 07 measures how they are grouped). Here
 # the model gets a head it never uses, the case that flag exists for:
+#
+# </details>
 
-# %%
+# %% jupyter={"source_hidden": true}
 def cnn_with_unused_head():
     from torch import nn
 
@@ -686,13 +714,17 @@ claim("with find_unused_parameters=True the first iteration is already bucketed,
       len(unused_buckets[0]) > 1 and unused_buckets[0] == unused_buckets[1])
 
 # %% [markdown]
+# <details><summary>▶ open: static_graph=True and a head never used</summary>
+#
 # `static_graph=True` handles an unused parameter too, another way: after its first backward it
 # knows which parameters got no gradient and, from then on, has the reducer mark them ready
 # without one, so their bucket can complete. (How the reducer marks them, and what a bucket
 # waiting for a gradient that never comes does, is lesson 07's section 6.) The same model with
 # its unused head, under `static_graph=True`:
+#
+# </details>
 
-# %%
+# %% jupyter={"source_hidden": true}
 static_unused = launch.spawn(bucket_worker, world_size, cap_mb, cnn_with_unused_head, False, 3,
                              static_graph=True, backend="gloo", timeout=60)
 head = {"unused.weight", "unused.bias"}
@@ -716,17 +748,21 @@ claim("static_graph=True, unused head: in every iteration the bucket holding unu
           if head <= set(names)))
 
 # %% [markdown]
+# <details><summary>▶ open: what these runs do not show</summary>
+#
 # Here both ranks leave the same head unused and the rebuild appends the unused parameters
 # after the recorded order, so their bucket is the last one and goes out when the last gradient
 # arrives: nothing went out early in these runs (the last claim above). The case torch's
 # comment guards against, a parameter unused on some ranks only, is not run in this lesson.
+#
+# </details>
 
 # %% [markdown]
 # ### The cap is not a ceiling
 # Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB; DDP
 # reads `bucket_cap_mb` as MiB, though its name says MB) the first rebuilt bucket holds
-# 518 KiB, and the line above lists its tensors: the classifier's first weight,
-# `classifier.1.weight` (512 KiB), is five times the cap by itself. The reducer never splits a
+# 518 KiB, and the line printed after the bucket run lists its tensors: the classifier's first
+# weight, `classifier.1.weight` (512 KiB), is five times the cap by itself. The reducer never splits a
 # gradient, so a bucket can end far above its cap. Which gradients share a bucket, and exactly
 # when one closes, is lesson 07's section 3 and lab 07's part 1.
 
@@ -769,14 +805,21 @@ print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its
 last_grad = {k: max(t for _, t in it["grads"]) for k, it in (("0", first), ("2", third))}
 print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in iteration 0, "
       f"{last_grad['2']:.1f} ms in iteration 2 (compute alone, before any overlap could help).")
+tail = {k: it["backward_end"] - last_grad[k] for k, it in (("0", first), ("2", third))}
+print(f"after the last gradient, backward() waited {tail['0']:.1f} ms for communication in "
+      f"iteration 0 and {tail['2']:.1f} ms in iteration 2: "
+      + ("shorter in iteration 2, where most buckets were reduced during the backward."
+         if tail["2"] < tail["0"] else "not shorter in iteration 2 in this run."))
 
 # %% [markdown]
-# On a CPU with gloo, "on the wire" competes with the backward for the same two cores, so do not
-# expect the overlap to save time here. Nor read a shorter second row as "buckets shortened the
-# backward": the cell above prints when each iteration's last gradient was computed — compute alone,
-# before any overlap could help. Iteration 0 is also the run's first backward, which can pay
-# one-time costs (allocating its memory, for one); whatever gap that leaves shows in those two
-# times, not in the buckets. The rows show *when* things happened, not a saving. The overlap
+# Read the cell above in two parts. The time until the last gradient is compute alone, and
+# iteration 0, the run's first backward, can pay one-time costs there (allocating its memory,
+# for one). The time *after* the last gradient is communication the backward could not hide:
+# in iteration 0 the whole model's all-reduce; in iteration 2 only what the last buckets still
+# needed, since the others went out during the backward. Where the cell reports that tail
+# shorter in iteration 2, that is the overlap at work. On a CPU with gloo, though, "on the
+# wire" competes with the backward for the same two cores, so a whole backward need not be
+# shorter for it (timed, so not asserted). The overlap
 # rests on the bucket's all-reduce being *asynchronous*: torch's `allreduce_hook` (which our
 # hook above calls) runs `dist.all_reduce(..., async_op=True)`, and DDP's internal
 # `_AllReduceBySumCommHook` (its path without a hook) likewise returns a future from its
@@ -787,13 +830,13 @@ print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
 # them from the batch it sees, and eval mode normalises with them instead of the batch's. They
 # are buffers, so each rank updates its own from its own shard and no all-reduce touches them.
-# Before a forward, DDP's `_pre_forward` calls `_sync_buffers`, which broadcasts rank 0's
-# buffers to the other ranks (rank 0 is the "authoritative" copy). Only a forward through the
-# wrapper does so, and not one that follows a forward run under `torch.no_grad()` or inside
-# `no_sync()`: `_post_forward` turns DDP's `require_forward_param_sync` off after such a
-# forward, and on again after any forward run with gradients enabled outside `no_sync()`
-# (`torch.is_grad_enabled() and self.require_backward_grad_sync`), whatever `train()` or
-# `eval()` says.
+# Before a forward through the wrapper, DDP broadcasts rank 0's buffers to the other ranks
+# (rank 0 is the "authoritative" copy) — but not before one that follows a forward run under
+# `torch.no_grad()` or inside `no_sync()`. After every forward, DDP notes whether that forward
+# ran with gradients enabled and outside `no_sync()`, and the next forward broadcasts only if
+# it did, whatever `train()` or `eval()` says. (In DDP's code: `_pre_forward` calls
+# `_sync_buffers`; `_post_forward` sets the flag `require_forward_param_sync` to
+# `torch.is_grad_enabled() and self.require_backward_grad_sync`.)
 # `buffer_sync_worker` trains a small BatchNorm network for three steps with
 # `forward_sync_buffers=True` and then `False`, each rank on its own data, evaluates it, then
 # runs a training-mode forward under `no_grad`, a step, and a step accumulated under
@@ -957,14 +1000,9 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # ## The reducer's arithmetic
 #
 # Reference, for after lab 03: how the reducer turns the ranks' gradients into their average —
-# which is why DDP and `average_gradients` agree bit for bit on 2 ranks and not on 3 — and what
-# the old `broadcast_buffers` switch changes.
-#
-# **The buffers' switch before torch 2.13** was `broadcast_buffers`, and it is not a plain
-# rename of `forward_sync_buffers`: `broadcast_buffers=False` also skips the buffers' broadcast
-# at construction, `forward_sync_buffers=False` only those at run time: before each forward,
-# and at the end of a `Join` (lesson 04's context manager for ranks with unequal numbers of
-# batches; the claim below).
+# which is why DDP and `average_gradients` agree bit for bit on 2 ranks and not on 3. Besides,
+# the run-time broadcasts `forward_sync_buffers` decides include one at the end of a `Join`
+# (lesson 04's context manager for ranks with unequal numbers of batches; the claim below).
 #
 # **▶ How the reducer turns the ranks' gradients into their average — open after your lab
 # passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
@@ -1098,8 +1136,9 @@ claim("this torch's gloo can make its TCP transport and has no ibverbs one (libt
 #   of computing it is in "The reducer's arithmetic") makes each rank's step the
 #   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
 #   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
-#   as no layer couples the samples of a batch (training-mode BatchNorm does) and the forward
-#   draws no per-rank randomness (dropout would; `SmallCNN`'s is 0 here).
+#   as every shard's mean loss divides by the same count (equal shards, no padding skipped
+#   unevenly), no layer couples the samples of a batch (training-mode BatchNorm does) and the
+#   forward draws no per-rank randomness (dropout would; `SmallCNN`'s is 0 here).
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
 #   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
 #   not known yet; with `static_graph=True` the first two iterations do), unless
@@ -1179,9 +1218,16 @@ viz.quiz(quizzes.questions("03"))
 #   level"); `torch/include/torch/csrc/distributed/c10d/Types.hpp` — `AllreduceOptions::asyncOp`
 #   (`= true` by default); `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` —
 #   `_allreduce_fut` calls `dist.all_reduce(tensor, group=..., async_op=True)`.
+# - `torch/nn/modules/loss.py` — `CrossEntropyLoss`'s docstring: with `reduction='mean'` the
+#   summed loss is divided by the sum of `weight[y_n]` over the targets not equal to
+#   `ignore_index` (default -100), not by the batch size.
 # - `torch/__init__.py` — `set_float32_matmul_precision`'s docstring: "highest" keeps float32's
 #   23 stored mantissa bits, "high" may use "the TensorFloat32 datatype (10 mantissa bits
-#   explicitly stored)" (TF32; `setup_rank` turns it off for matmuls and cuDNN).
+#   explicitly stored)" (TF32; `setup_rank` turns it off for matmuls and cuDNN);
+#   `use_deterministic_algorithms`' docstring lists `torch.nn.Conv2d` "when called on CUDA
+#   tensor" among the "normally-nondeterministic operations" (hence `setup_rank`'s
+#   `torch.backends.cudnn.deterministic = True` on a GPU; `torch/backends/cudnn/__init__.py` —
+#   `CudnnModule.deterministic`, `benchmark`). Not run here: no GPU.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel.__init__`:
 #   `forward_sync_buffers` defaults to `True`; `broadcast_buffers` is deprecated (since 2.13)
 #   in its favour, and its warning says that `broadcast_buffers=False` also skips the buffer

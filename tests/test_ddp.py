@@ -146,6 +146,7 @@ def test_setup_rank_caps_threads_on_cpu_and_turns_tf32_off_on_a_gpu(monkeypatch)
     """Both settings, without a process group: explicit device and local world size."""
     threads = torch.get_num_threads()
     tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     try:
         monkeypatch.setattr("dpcourse.devices.usable_cores", lambda: 64)
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -156,12 +157,16 @@ def test_setup_rank_caps_threads_on_cpu_and_turns_tf32_off_on_a_gpu(monkeypatch)
         assert torch.get_num_threads() == 4                  # 64 cores / 16 ranks
         torch.set_num_threads(5)
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
         assert ddp.setup_rank("cuda:1", local_world_size=2) == torch.device("cuda", 1)
         assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+        # lesson 03 compares two launches' gradients bit for bit: deterministic convolutions
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert torch.get_num_threads() == 5                  # a GPU rank keeps its threads
     finally:
         torch.set_num_threads(threads)
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
 
 
 def test_same_bits_compares_bits_not_values():

@@ -96,8 +96,8 @@ def setup_rank(device: torch.device | None = None,
 
     Call it once at the top of a worker, after the process group is up (``launch.spawn`` and
     torchrun set it up before the worker runs). ``device`` defaults to :func:`rank_device`,
-    ``local_world_size`` to ``LOCAL_WORLD_SIZE`` or the group's size. It changes two
-    process-wide settings:
+    ``local_world_size`` to ``LOCAL_WORLD_SIZE`` or the group's size. It changes
+    process-wide settings, by device:
 
     * on the CPU, the intra-op thread count becomes this rank's share of the cores
       (:func:`cpu_threads_per_rank`; torchrun does the same with OMP_NUM_THREADS=1): two ranks
@@ -108,7 +108,11 @@ def setup_rank(device: torch.device | None = None,
       server) is a ceiling this never raises;
     * on a GPU, TF32 is switched off for convolutions and matmuls: TF32 (on by default for
       cuDNN) rounds to ~1e-3, which would hide the float-tolerance equality lesson 03 proves
-      against the CPU reference.
+      against the CPU reference; and cuDNN is asked for deterministic convolution algorithms
+      (``cudnn.deterministic`` on, ``cudnn.benchmark`` off): ``torch.use_deterministic_algorithms``'
+      docstring lists ``Conv2d`` on CUDA among the normally nondeterministic operations, and
+      lesson 03 compares two launches' gradients bit for bit. It costs some convolution speed;
+      the benchmarks (``dpcourse.bench``) do not call this.
 
     Shown in lesson 03, §"Averaging gradients — and DDP, which does it for you".
     """
@@ -122,4 +126,6 @@ def setup_rank(device: torch.device | None = None,
     else:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True   # Conv2d on CUDA: same bits every launch
+        torch.backends.cudnn.benchmark = False
     return dev

@@ -274,6 +274,8 @@ def kill_tree(pid: int) -> None:
     their own, so killing the agent's group left them running (and bound to their ports).
     We list the whole tree first, because once a parent dies its children are re-parented
     and can no longer be found from it.
+
+    Shown in lesson 00, §"Running many processes from a notebook".
     """
     import psutil
 
