@@ -38,8 +38,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import jupytext
-import nbformat
+# jupytext and nbformat are imported inside the functions that use them: nbformat pulls in
+# jsonschema's format checkers, about 2.5 s of CPU, which `python -m dpcourse build --help`
+# (and every `--help` the docs test runs) should not pay.
+
 
 __all__ = ["build", "make_lab", "check_sync", "sources", "main", "ROOT", "TimeEstimate",
            "estimate_time", "header_minutes", "folded", "keep_ids", "write_keeping_ids"]
@@ -97,6 +99,7 @@ def install_source(root: Path = ROOT) -> str:
 def add_install_cell(nb: nbformat.NotebookNode, root: Path = ROOT) -> nbformat.NotebookNode:
     """Put the install cell before the notebook's first code cell (after the title and frame, so
     it is the first cell that runs); a notebook that has one already keeps it."""
+    import nbformat
     if any(INSTALL_TAG in c.metadata.get("tags", []) for c in nb.cells):
         return nb
     cell = nbformat.v4.new_code_cell(install_source(root))
@@ -108,6 +111,7 @@ def add_install_cell(nb: nbformat.NotebookNode, root: Path = ROOT) -> nbformat.N
 
 
 def read_source(path: Path) -> nbformat.NotebookNode:
+    import jupytext
     nb = jupytext.read(path)
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     nb.metadata.setdefault("language_info", {"name": "python"})
@@ -145,6 +149,7 @@ def _strip_solution(source: str, where: str) -> str:
 
 def make_lab(solution_nb: nbformat.NotebookNode, source_name: str) -> nbformat.NotebookNode:
     """The learner's lab from an (executed or not) solution notebook."""
+    import nbformat
     lab = copy.deepcopy(solution_nb)
     cells = []
     n_todo = 0
@@ -189,6 +194,7 @@ def keep_ids(new: nbformat.NotebookNode, old: nbformat.NotebookNode) -> nbformat
     keep the old ids, so an edited cell keeps its id and its translation turns stale rather
     than missing; cells left over (inserted) keep the fresh ids they came with. A moved cell is
     a delete plus an insert to difflib, so it is matched afterwards by its exact content."""
+    import nbformat
     def key(c):
         return (c.cell_type, c.source)
 
@@ -226,6 +232,7 @@ def keep_ids(new: nbformat.NotebookNode, old: nbformat.NotebookNode) -> nbformat
 
 def write_keeping_ids(nb: nbformat.NotebookNode, path: Path) -> None:
     """``nbformat.write``, after ``keep_ids`` against the notebook already at ``path``."""
+    import nbformat
     if path.exists():
         keep_ids(nb, nbformat.read(path, as_version=4))
     nbformat.write(nb, path)
@@ -247,6 +254,7 @@ def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int = 600) -> nbforma
 
 
 def _write_lab(solution: Path, nb: nbformat.NotebookNode) -> Path:
+    import nbformat
     lab = make_lab(nb, f"{solution.parent.name}/{solution.name}")
     out = lab_path_for(solution)
     out.parent.mkdir(exist_ok=True)
@@ -284,6 +292,7 @@ def _cells(nb) -> list[tuple[str, str]]:
 
 def check_sync(root: Path = ROOT) -> list[str]:
     """Every way the notebooks disagree with their sources; empty when all is in sync."""
+    import nbformat
     problems = []
     srcs = sources(root)
     for src in srcs:
@@ -428,6 +437,7 @@ def main(argv: list[str] | None = None,
     t.add_argument("paths", nargs="*", type=Path, help="notebooks (default: every lesson)")
     args = parser.parse_args(argv)
     if args.cmd == "times":
+        import nbformat
         paths = args.paths or sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
         worst = 0
         print(f"{'lesson':34} {'words':>6} {'lines':>6} {'run s':>6} {'estimate':>8} {'header':>6}")

@@ -50,7 +50,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
+# nbformat is imported where it is used, for the reason tools/authoring.py gives.
+
 
 from dpcourse.tools.authoring import ROOT
 
@@ -197,6 +198,7 @@ def _is_document(path: Path) -> bool:
 def _units(path: Path) -> list:
     """What is translated a block each: a notebook's markdown cells, or a document's sections
     (both with ``.id`` and ``.source``)."""
+    import nbformat
     if _is_document(path):
         return sections(path.read_text(encoding="utf-8"))
     return _markdown(nbformat.read(path, as_version=4))
@@ -383,6 +385,7 @@ def translated_notebook(notebook: Path, root: Path = ROOT) -> nbformat.NotebookN
     """The Chinese notebook for an English lesson, solution or lab: a copy of the English one
     whose markdown cells hold their translation, with a header cell first. Raises ValueError
     naming the cell when a block is missing, untranslated or stale."""
+    import nbformat
     nb = copy.deepcopy(nbformat.read(notebook, as_version=4))
     is_lab = notebook.parent.name == "labs"
     english = (root / "solutions" / notebook.name) if is_lab else notebook
@@ -443,6 +446,7 @@ def build(root: Path = ROOT) -> list[Path]:
     paths. A Chinese notebook or document whose translation file is gone is deleted. One that
     cannot be built (a block missing, untranslated or stale) is left as it is while the others
     are written, then a ValueError names each of them."""
+    import nbformat
     written, kept, errors = [], [], []
     for english, out in _targets(root) + _doc_targets(root):
         try:
@@ -476,6 +480,7 @@ def _strays(root: Path, expected) -> list[Path]:
 def out_of_date(root: Path = ROOT) -> list[str]:
     """The Chinese notebooks and documents that differ from what ``build`` would write now (or
     are missing, or have no translation file any more), each with what to do."""
+    import nbformat
     problems = []
     expected = set()
     for english, out in _targets(root):

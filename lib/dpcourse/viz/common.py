@@ -80,17 +80,17 @@ def show_code(*objects, title: str | None = None, folded: str | None = None) -> 
         display(folded_code_bundle(code._repr_html_(), folded), raw=True)
 
 
-def folded_code_bundle(code_html: str, label: str) -> dict[str, str]:
+def folded_code_bundle(code_html: str, label: str, what: str = "code") -> dict[str, str]:
     """The mimebundle of ``show_code(..., folded=label)``: ``text/html`` holds the highlighted
-    code inside ``<details>`` under ``label``; ``text/plain`` holds no code, only where to open
-    it."""
+    code inside ``<details>`` under ``label``; ``text/plain`` holds none of it, only where to
+    open it (``what`` names what is folded: "code", or "output" for :func:`folded_output`)."""
     import html
 
     summary = html.escape(label)
     return {
         "text/html": (f'<details class="dpcourse-folded-code"><summary>{summary}</summary>\n'
                       f"{code_html}\n</details>"),
-        "text/plain": (f"{label} [folded: the code is not shown as plain text; open "
+        "text/plain": (f"{label} [folded: the {what} is not shown as plain text; open "
                        "this output in JupyterLab, on the course website or on GitHub and "
                        "click the label]"),
     }
@@ -115,6 +115,4 @@ def folded_output(label: str):
             print(buf.getvalue(), end="")
         else:
             pre = f"<pre>{html.escape(buf.getvalue())}</pre>"
-            bundle = folded_code_bundle(pre, label)
-            bundle["text/plain"] = bundle["text/plain"].replace("the code is", "the output is")
-            display(bundle, raw=True)
+            display(folded_code_bundle(pre, label, what="output"), raw=True)
