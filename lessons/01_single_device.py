@@ -872,7 +872,8 @@ claim("torch 2.14.1's headers: Context declares alertNotDeterministic and no cuB
 #   be combined across processes (lesson 04);
 # - **the learning rate:** it goes with the global batch, which grows with the devices:
 #   k× the batch, k× the lr *with SGD*, a heuristic (the linear scaling rule), not a law: it
-#   can hold only below a *critical batch size*, often needs a warmup over the first epochs, and lesson
+#   holds only up to a batch size past which a bigger batch hardly cuts the steps needed (the
+#   critical batch size, lesson 11 §1), often needs a warmup over the first epochs, and lesson
 #   09 §4 measures how much of the small batch's progress it wins back; it does not apply
 #   to this lesson's Adam, which divides each step by the square root of a running mean
 #   of squared gradients, so its step is not linear in the gradient.

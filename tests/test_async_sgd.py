@@ -74,6 +74,20 @@ def test_simulated_servers_record_staleness_and_scale_the_step():
     assert seen.staleness == [0, 1, 2]
 
 
+def test_what_awareness_adds_measures_the_aware_server_against_lr_over_tau(problem, capsys):
+    from dpcourse.checks import ClaimError
+
+    batches = async_sgd.batch_schedule(512, 32, 60, seed=0)
+    taus = (2, 4)
+    aware = [async_sgd.run_stale(problem, t, 1.0, batches,
+                                 server_cls=async_sgd.StalenessAwareServer)["loss"] for t in taus]
+    gap = async_sgd.what_awareness_adds(problem, taus, 1.0, batches, aware)
+    out = capsys.readouterr().out
+    assert gap < 0.05 and "exactly τ stale" in out and "unaware server, lr 1/τ" in out
+    with pytest.raises(ClaimError, match="ends where the unaware server"):
+        async_sgd.what_awareness_adds(problem, taus, 1.0, batches, [v + 1 for v in aware])
+
+
 def test_warmup_climbs_linearly_to_k_times_the_lr():
     assert async_sgd.warmup_lr(0, 0.1, 8, 4) == pytest.approx(0.1)
     assert async_sgd.warmup_lr(2, 0.1, 8, 4) == pytest.approx(0.45)

@@ -49,6 +49,7 @@ __all__ = [
     "async_worker_loop",
     "plain_sgd",
     "run_stale",
+    "what_awareness_adds",
     "local_sgd_worker",
     "train_large_batch",
     "warmup_lr",
@@ -237,7 +238,7 @@ def async_worker_loop(server, compute_gradient, batches, tau: int) -> None:
     weights and starts its gradient; a gradient lands on the server τ pulls later, when
     τ newer ones are in flight behind it; at the end the ones still in flight land in order.
     Gradient k is computed on weights of version max(0, k - τ) and applied as update k:
-    w_{k+1} = w_k - lr · g(w_{k-τ}). With τ = 0 this is plain SGD.
+    w_{k+1} = w_k - lr · g(w_{max(0, k-τ)}). With τ = 0 this is plain SGD.
 
     Shown in lesson 09, §"Lab 09: the asynchronous worker loop".
     """
@@ -280,6 +281,36 @@ def run_stale(problem: Problem, tau: int, lr: float, batches, seed: int = 0,
     loop(server, compute_gradient, batches, tau)
     loss, acc = evaluate(model, server.w, problem.x_test, problem.y_test)
     return {"w": server.w, "loss": loss, "acc": acc, "staleness": server.staleness}
+
+
+def what_awareness_adds(problem: Problem, taus, lr: float, batches, aware_losses,
+                        seed: int = 0) -> float:
+    """What the staleness-aware server adds in this simulator, where every gradient is τ
+    updates late: runs the unaware server at lr/τ on the same ``batches`` for each τ of
+    ``taus``; claims that from the (τ+1)-th update on every update was exactly τ stale (so the
+    aware server's step stays lr/τ from there), then prints the two servers' test losses
+    (``aware_losses``: the aware server's at ``lr``, one per τ) and claims they end within 0.05
+    of each other. Returns the largest gap.
+
+    Shown in lesson 09, §"Lab 09: the asynchronous worker loop".
+    """
+    from dpcourse.checks import claim
+
+    scaled = [run_stale(problem, tau, lr / tau, batches, seed=seed) for tau in taus]
+    claim("in every run, from the (τ+1)-th update on, each update was exactly τ stale",
+          all(r["staleness"][tau:] == [tau] * (len(batches) - tau)
+              for tau, r in zip(taus, scaled)))
+    gap = max(abs(a - r["loss"]) for a, r in zip(aware_losses, scaled))
+    rows = {f"seed {seed}, test loss after the budget": [f"τ = {t}" for t in taus],
+            f"staleness-aware server, lr {lr:g}": [f"{v:.3f}" for v in aware_losses],
+            f"unaware server, lr {lr:g}/τ": [f"{r['loss']:.3f}" for r in scaled]}
+    for label, row in rows.items():
+        print(f"{label:<38}" + "".join(f"{x:<10}" for x in row))
+    print(f"largest gap: {gap:.3f}")
+    claim(f"the staleness-aware server at lr {lr:g} ends where the unaware server at lr "
+          f"{lr:g}/τ does, on the same τ-stale gradients (seed {seed}, every τ, within 0.05 of "
+          "the test loss)", gap < 0.05, gap=gap)
+    return gap
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ QUESTIONS = [
              "Right: each gradient is pushed right after it is computed."]},
     {"q": "Stale gradients made training diverge. What fixes it?",
      "options": ["A larger learning rate, to catch up",
-                 "A smaller step, e.g. lr/τ at constant τ",
+                 "A smaller step, e.g. lr divided by the staleness",
                  "More workers, to average the staleness out"],
      "answer": 1,
      "why": ["The opposite: divergence comes from large steps on stale information.",
