@@ -568,9 +568,7 @@ cap_mb = 0.1
 runs = launch.spawn(bucket_worker, world_size, cap_mb, small_cnn, backend="gloo", timeout=60)
 model_bytes = sum(b for _, b, *_ in runs[0][0]["buckets"])
 for it, seen in enumerate(runs[0]):
-    print(f"iteration {it}: {len(seen['buckets'])} bucket(s), parameters per bucket "
-          f"{[len(names) for names, *_ in seen['buckets']]}, "
-          f"KiB per bucket {[round(b / 1024) for _, b, *_ in seen['buckets']]}")
+    print(f"iteration {it}: {len(seen['buckets'])} bucket(s)")
 
 # %%
 first, second, third = runs[0]
@@ -583,9 +581,15 @@ claim("from iteration 1 on: several buckets, the same on every later iteration",
       == [b[0] for b in third["buckets"]])
 claim("the first bucket reduced holds the last layer (its gradient is computed first)",
       "classifier.4.weight" in second["buckets"][0][0])
+# Which gradients share a bucket is lab 07 part 1's question: the buckets' contents are folded.
 tensor_kib = {n: p.numel() * p.element_size() / 1024 for n, p in small_cnn().named_parameters()}
-print("iteration 1, first bucket: "
-      + ", ".join(f"{n} ({tensor_kib[n]:.2f} KiB)" for n in second["buckets"][0][0]))
+with viz.folded_output("▶ What each bucket holds — open after lab 07 part 1 passes"):
+    for it, seen in enumerate(runs[0]):
+        print(f"iteration {it}: parameters per bucket "
+              f"{[len(names) for names, *_ in seen['buckets']]}, "
+              f"KiB per bucket {[round(b / 1024) for _, b, *_ in seen['buckets']]}")
+    print("iteration 1, first bucket: "
+          + ", ".join(f"{n} ({tensor_kib[n]:.2f} KiB)" for n in second["buckets"][0][0]))
 
 # %% [markdown]
 # Why one bucket first? Not because of a size limit: the model is seven times the cap. In its
@@ -759,12 +763,11 @@ claim("static_graph=True, unused head: in every iteration the bucket holding unu
 
 # %% [markdown]
 # ### The cap is not a ceiling
-# Look at the sizes printed for iterations 1 and 2: under a cap of 0.1 MiB (102.4 KiB; DDP
-# reads `bucket_cap_mb` as MiB, though its name says MB) the first rebuilt bucket holds
-# 518 KiB, and the line printed after the bucket run lists its tensors: the classifier's first
-# weight, `classifier.1.weight` (512 KiB), is five times the cap by itself. The reducer never splits a
-# gradient, so a bucket can end far above its cap. Which gradients share a bucket, and exactly
-# when one closes, is lesson 07's section 3 and lab 07's part 1.
+# The cap is 0.1 MiB (102.4 KiB; DDP reads `bucket_cap_mb` as MiB, though its name says MB),
+# and the classifier's first weight, `classifier.1.weight`, is 512 KiB by itself. The reducer
+# never splits a gradient, so a bucket can end far above its cap (claimed below). Which
+# gradients share a bucket, and exactly when one closes, is lesson 07's section 3 and lab 07's
+# part 1; that is why the buckets' contents above are folded.
 
 # %%
 first_limit, limit = ddp.bucket_limits(cap_mb)   # shown above: DDP's _BucketCapacityConfig
@@ -1148,8 +1151,7 @@ claim("this torch's gloo can make its TCP transport and has no ibverbs one (libt
 #   all-reduced from iteration 1 on although its gradient never came (the reducer marks it
 #   ready: lesson 07, section 6).
 # - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
-#   can end several times the cap (518 KiB under 0.1 MiB here); how DDP groups them is lesson
-#   07's.
+#   can end several times the cap; how DDP groups them is lesson 07's.
 # - Before the first forward, and before each forward whose previous forward ran with gradients
 #   enabled and outside `no_sync()` (in `train()` or `eval()` mode alike), DDP broadcasts
 #   rank 0's buffers (`forward_sync_buffers=True`): every rank evaluates with rank 0's
@@ -1268,8 +1270,9 @@ viz.quiz(quizzes.questions("03"))
 #   gives its limits from iteration 0 whatever the flags; otherwise the initial limit is
 #   `[sys.maxsize]` (one bucket) when `static_graph or not find_unused_parameters`
 #   (`ddp.initial_bucket_limits` asks it, claimed above);
-#   `DistributedDataParallel._ddp_init_helper` passes it to
-#   `dist._compute_bucket_assignment_by_size` and hands the reversed buckets to `dist.Reducer`.
+#   `DistributedDataParallel._ddp_init_helper` passes it to the function that assigns the
+#   buckets (lesson 07 names it, folded: it is lab 07 part 1's rule) and hands the reversed
+#   buckets to `dist.Reducer`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._pre_forward`: calls
 #   `self.reducer._rebuild_buckets()` before the forward, then `_sync_buffers()` when
 #   `_check_sync_bufs_pre_fwd()` (`will_sync_module_buffers`: `require_forward_param_sync`
