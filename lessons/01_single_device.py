@@ -125,7 +125,7 @@ claim("after backward every parameter has a gradient",
 # a dropout between them (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(models.SmallCNN)
+viz.show_code(models.SmallCNN, folded="▶ code: models.SmallCNN")
 
 # %% [markdown]
 # The move people forget: **`.grad` accumulates**. `backward()` *adds* to whatever is already
@@ -272,7 +272,8 @@ claim("the meter starts after the batch reached the device and stops after the o
 # **▶ `ThroughputMeter`, `make_loaders`, `TrainConfig` and `fit`** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(train.ThroughputMeter, train.make_loaders, train.TrainConfig, train.fit)
+viz.show_code(train.ThroughputMeter, train.make_loaders, train.TrainConfig, train.fit,
+              folded="▶ code: ThroughputMeter, make_loaders, TrainConfig, fit")
 
 # %%
 batch_sizes = tuple(sorted({4, 16, batch_size, 64, 256}))   # batch_size: the one `fit` used
@@ -373,7 +374,8 @@ claim(f"with {len(batch_sizes)} equally fast batch sizes and {rounds} rounds, no
 # `rate_shape`** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(train.rate_verdict, train.sign_test_p, train.compare_rates, train.rate_shape)
+viz.show_code(train.rate_verdict, train.sign_test_p, train.compare_rates, train.rate_shape,
+              folded="▶ code: rate_verdict, sign_test_p, compare_rates, rate_shape")
 
 # %% [markdown]
 # Where does one step's time go? `time_breakdown` charges each phase — waiting for the next
@@ -780,7 +782,7 @@ claim('the CUDA knobs refuse "bf16" ("does not support precision"); the generic 
 # **▶ `devices.seed_everything`** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(devices.seed_everything)
+viz.show_code(devices.seed_everything, folded="▶ code: devices.seed_everything")
 
 # %%
 needs_deterministic = device.type != "cpu"  # CPU kernels of this model are deterministic

@@ -235,7 +235,8 @@ viz.show_code(experiments.equality_worker, experiments.train_run)
 # `p.full_tensor()` gathers an FSDP2 parameter whole, section 6)** — click the folded cell below.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(experiments.ZeroConfig, experiments.prepare_run, experiments.TorchRun)
+viz.show_code(experiments.ZeroConfig, experiments.prepare_run, experiments.TorchRun,
+              folded="▶ code: ZeroConfig, prepare_run, TorchRun")
 
 # %%
 cfg = experiments.ZeroConfig(steps=steps)

@@ -115,7 +115,9 @@ viz.show_code(parameter_server.parameter_server_worker, parameter_server.PSConfi
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(async_sgd.make_problem, async_sgd.make_model, async_sgd.loss_and_gradient,
               async_sgd.batch_schedule, async_sgd.evaluate, async_sgd.set_flat_params,
-              async_sgd.flat_params)
+              async_sgd.flat_params,
+              folded=("▶ code: make_problem, make_model, loss_and_gradient, "
+                     "batch_schedule, evaluate, set_flat_params, flat_params"))
 
 # %%
 cfg = parameter_server.PSConfig()
@@ -154,7 +156,7 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # **▶ `async_sgd.ring_elements_per_rank`**, the ring's count below (click the folded cell).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(async_sgd.ring_elements_per_rank)
+viz.show_code(async_sgd.ring_elements_per_rank, folded="▶ code: async_sgd.ring_elements_per_rank")
 
 # %%
 for n, r in ps.items():
@@ -190,7 +192,8 @@ import inspect  # chunk_bounds and cost as snippets: their docstrings name lesso
                 # they are taught
 
 viz.show_code(ring.ring_bytes_per_worker, inspect.getsource(ring.chunk_bounds),
-              inspect.getsource(ring.cost))
+              inspect.getsource(ring.cost),
+              folded="▶ code: ring.ring_bytes_per_worker, ring.chunk_bounds, ring.cost")
 
 # %%
 viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
