@@ -105,24 +105,38 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 
 # %% [markdown]
 # ## 2. Replicate
-# A *broadcast* sends one device's tensor to every device, so that each holds a copy. Three
-# autograd words first: a tensor no recorded operation made, like a model's parameter, is a
-# *leaf*, and `backward()` leaves a leaf's gradient in its `.grad` if it requires one; a tensor computed from others keeps in its
-# `grad_fn` the operation that made it, which the backward follows back to the leaves; and a
-# `torch.autograd.Function` is an operation you write yourself, a `forward` plus the `backward`
-# that turns the gradient of its output into the gradients of its inputs. With
-# grad mode on (a training step), each replica's parameters are *outputs of a broadcast*, not
-# leaf tensors (under `torch.no_grad()` torch's `DataParallel.replicate` asks for detached
-# copies instead: *not run here*, Sources): autograd links them back to the original parameters, so the backward of the broadcast receives every copy's
-# gradient and hands one gradient per original parameter back to device 0. That is how
-# gradients reach `model`. The whole trick is one small `autograd.Function` — copies going out
-# in its `forward` (folded below), the copies' gradients coming back in its `backward` — and
-# `replicate` points each copy of the module at its own copies of the weights. How the
-# `backward` combines what the copies received is what lab 02 asks you to work out for plain
-# copies, and what `replicate` gives each copy besides its weights — the module's *buffers*,
-# tensors it keeps in its state that are not parameters (no gradient, no optimizer; printed
-# below for a BatchNorm) — is its part 5, so the code of both waits, folded, below the lab's pointer at the end of this
-# lesson:
+# A *broadcast* sends one device's tensor to every device, so that each holds a copy.
+#
+# Three autograd words first:
+# - a *leaf* is a tensor no recorded operation made, like a model's parameter; `backward()`
+#   leaves a leaf's gradient in its `.grad` if it requires one;
+# - a tensor computed from others keeps in its `grad_fn` the operation that made it, which the
+#   backward follows back to the leaves;
+# - a `torch.autograd.Function` is an operation you write yourself: a `forward`, plus the
+#   `backward` that turns the gradient of its output into the gradients of its inputs.
+#
+# With grad mode on (a training step), each replica's parameters are *outputs of a
+# broadcast*, not leaves: autograd links them back to the original parameters, so the
+# backward of the broadcast receives every copy's gradient and hands one gradient per original
+# parameter back to device 0. That is how gradients reach `model`.
+#
+# The whole trick is one small `autograd.Function` — copies going out in its `forward`
+# (folded below), the copies' gradients coming back in its `backward` — and `replicate`
+# points each copy of the module at its own copies of the weights.
+#
+# Two pieces are lab 02's, so their code waits, folded, below the lab's pointer at the end of
+# this lesson: how the `backward` combines what the copies received (for plain copies), and,
+# in its part 5, what `replicate` gives each copy besides its weights — the module's
+# *buffers*, tensors it keeps in its state that are not parameters (no gradient, no
+# optimizer; printed below for a BatchNorm).
+
+# %% [markdown]
+# <details><summary>▶ Aside: replicating under <code>torch.no_grad()</code></summary>
+#
+# There torch's `DataParallel.replicate` asks for detached copies instead, leaves with no
+# link back (`not torch.is_grad_enabled()`; *not run here*, Sources).
+#
+# </details>
 
 # %%
 viz.show_code(dp.Broadcast.forward,
@@ -280,8 +294,9 @@ claim(f"the {n_devices} forwards ran in {n_devices} threads, the backward, all o
 viz.show(viz.dp_timeline_figure(step),
          "one recorded step: the other devices wait (grey) while device 0 alone scatters and "
          "replicates, and again while it gathers, computes the loss, reduces the gradients and "
-         "steps; the forwards run in threads (whether they overlapped is printed below), and on "
-         "this one CPU the backward's nodes take turns in one thread (on GPUs each device's "
+         "steps; each forward's bar is its thread's wall time from start to end, GIL waits "
+         "included, so bars drawn side by side need not have computed at once (the line below "
+         "compares them with the forwards run in turn), and on this one CPU the backward's nodes take turns in one thread (on GPUs each device's "
          "would have a thread of its own), so each lane is mostly grey there. Right: each of "
          "device 0's solo pieces, the time every other device waited.")
 
@@ -369,22 +384,27 @@ claim("the real nn.DataParallel behaves as described above for this machine's nu
 # %% [markdown]
 # ## Why it is slow
 #
-# **A naive parameter server on device 0.** Our `dp` copies one device at a time: every step,
+# **Whose costs.** By its source (Sources), the real class pays, every step, in one process:
+# a **replication** in every `forward` (the weights out of device 0 by
+# `broadcast_coalesced`, in 10 MiB buffers); the **gradients brought back** onto device 0 by that
+# broadcast's backward; the outputs **gathered** on device 0, where the loss is computed
+# alone; and **Python threads** for the replicas' forwards (`parallel_apply`), which take
+# turns on the GIL between kernels. Our `dp` makes the same moves. One cost is our
+# strawman's alone: **how the bytes travel**.
+#
+# **A naive parameter server on device 0 (the strawman's traffic).** Our `dp` copies one device at a time: every step,
 # device 0 sends the K weights to each of the other N−1 devices (replicate) and receives N−1
 # gradients of K numbers back (in the backward). A *parameter server* is one
 # place that holds the weights, hands them out and collects the gradients (lesson 09 builds a
 # real one); done copy by copy, device 0 **sends (N−1)K and receives (N−1)K** numbers per step,
-# T = 2(N−1)K weights and gradients through its link — linear in N. This is the strawman,
-# not the real class: on NCCL its broadcast and its reduce are collectives that pipeline the bytes over the links between
-# GPUs, so device 0 no longer carries every copy. We have no GPUs here to measure that; what
-# stays true of the real class is everything after this figure — a replication every step, one
-# process, device 0's extra work. Our `Broadcast` adds to a counter the size of each copy it
+# T = 2(N−1)K weights and gradients through its link — linear in N. The real class's
+# broadcast and reduce are NCCL collectives when it can use them, which pipeline the bytes over
+# the links between GPUs, so device 0 no longer carries every copy (*not measured here*: no
+# GPUs). Our `Broadcast` adds to a counter the size of each copy it
 # actually makes (in `forward`) and of each gradient it actually receives on device 0 (in
 # `backward`); the claim checks that those counts are what the formula says. T counts
-# weights and gradients only: `scatter` also sends each other device its chunk of the input,
-# and `gather` brings their outputs back to device 0 (whose gradients go out again in the
-# backward). Those numbers grow with the batch, not with K; the cell prints them beside the
-# count, taken from the chunks themselves.
+# weights and gradients only: the input's chunks sent out and the outputs gathered (their
+# gradients sent back out) grow with the batch, not with K; the cell prints them beside it.
 #
 # **▶ The counter and the formula it is checked against** (click below).
 

@@ -769,9 +769,12 @@ claim("after training each rank's running statistics are its own; the wrapper's 
 #
 # Every backward under DDP all-reduces the gradients, and an all-reduce waits for *every* rank.
 # If rank 0 has 3 batches and rank 1 has 4, rank 0 leaves the loop after 3 steps while rank 1
-# waits in its 4th all-reduce for a partner that never comes. While rank 0's process lives on
-# (evaluating, saving), rank 1 hangs until the group's timeout (30 minutes with gloo, 10 with
-# NCCL); if rank 0 exits, gloo fails at once ("Connection reset by peer", as in section 3).
+# waits in its 4th all-reduce for a partner that never comes. While rank 0 lives on without
+# calling a collective (saving, say), rank 1 hangs until the group's timeout (30 minutes with
+# gloo, 10 with NCCL); if rank 0 exits, gloo fails at once ("Connection reset by peer", as in
+# section 3). If rank 0 calls one (`train_ddp.py` all-reduces its loss sums after the loop, and
+# its `evaluate` too), that call pairs with rank 1's pending all-reduce: different sizes hang
+# or crash, equal sizes silently sum two unrelated tensors (section 10).
 # `DistributedSampler` avoids this by padding (or dropping, `drop_last=True`); data you shard
 # yourself (files per rank, filtered records, packed sequences) often does not. The two
 # timeouts are torch's defaults, read here from the installed torch:
@@ -829,8 +832,8 @@ viz.show_code(collectives.record_collectives, collectives.Recorder.wrap, collect
 
 # %% [markdown]
 # First the hang: `launch.spawn` keeps a returned rank alive, sockets open, and its `timeout`
-# kills every rank after 8 s. So the hang below is this harness's, like a rank 0 still busy
-# evaluating or saving: a torchrun rank 0 would exit, and rank 1 fail at once.
+# kills every rank after 8 s. So the hang below is this harness's, like a rank 0 busy with
+# work that calls no collective: a torchrun rank 0 would exit, and rank 1 fail at once.
 #
 # **▶ Where a returned rank waits** (click the folded cell below): the end of
 # `launch.spawn`'s worker.
@@ -944,9 +947,11 @@ claim("Join's cost: in every training iteration each rank made 2 all-reduces fro
 # with `lr × N`: the momentum buffer just holds N × the averaged one. Bit for bit only when N is
 # a power of two, as here (N = 2: halving and doubling are exact in floating point); for other
 # N, up to rounding. And not under gradient clipping: `clip_grad_norm_` rescales gradients
-# longer than `max_norm` by `max_norm / (total_norm + 1e-6)` (`clip_grad.py`), and summed
-# gradients are N × as long, so a clipped step has the same length either way: then summing
-# equals averaging at the *same* lr, and `lr × N` takes N × the step. With weight decay it is not:
+# longer than `max_norm` by `max_norm / (total_norm + 1e-6)`, clamped at 1 (`clip_grad.py`), and
+# summed gradients are N × as long. When the *averaged* gradient is longer than `max_norm` too
+# (here, at 0.01, every step), both are clipped to the same length: summing equals averaging at
+# the *same* lr, and `lr × N` takes N × the step; when only the sum is clipped, neither lr
+# matches. With weight decay it is not:
 # summing multiplies the gradient by N but not the decay term `wd·w`, so it equals averaging at
 # `lr × N` *and* `wd / N`. With Adam (no weight decay), summing changes almost nothing: Adam
 # divides by the gradient's running root-mean-square, so N cancels (except against `eps`), and
@@ -975,15 +980,16 @@ def sum_or_average(rank, world_size, cases):
             model.register_comm_hook(None, summing_hook)
         opt = make_opt(model.parameters())
         g = torch.Generator().manual_seed(rank)
+        norms = []  # the gradients' length before each clipping
         for _ in range(5):
             X = torch.randn(8, 16, generator=g)
             loss = (model(X) - X[:, :1]).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             if clip is not None:  # rescale the gradients to norm `clip` when they are longer
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
             opt.step()
-        return torch.cat([p.detach().flatten() for p in model.parameters()])
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), norms
 
     N, lr = world_size, 0.01
     SGD, Adam = torch.optim.SGD, torch.optim.Adam
@@ -1004,8 +1010,10 @@ def sum_or_average(rank, world_size, cases):
     for name in cases:
         summed_opt, averaged_opt = recipes[name]
         clip = 0.01 if "clipped" in name else None
-        a, b = train(True, summed_opt, clip), train(False, averaged_opt, clip)
+        (a, _), (b, norms) = train(True, summed_opt, clip), train(False, averaged_opt, clip)
         out[name] = float((a - b).abs().max() / b.abs().max())
+        if clip is not None:
+            out.setdefault("averaged gradients' lengths", []).extend(norms)
     return out
 
 
@@ -1025,9 +1033,10 @@ claim("SGD with momentum: the same (to 1e-6)", gaps_lr["SGD + momentum"] < 1e-6,
 if world_size & (world_size - 1) == 0:   # N a power of two: scaling by N is exact
     claim(f"N = {world_size}, a power of two: plain SGD and SGD with momentum bit for bit",
           gaps_lr["SGD"] == 0.0 and gaps_lr["SGD + momentum"] == 0.0, gaps=gaps_lr)
-claim("clipped at 0.01: summing equals averaging at the same lr (to 1e-6), not at lr × N "
-      "(more than 1e-4)",
-      gaps_lr["SGD, clipped, same lr"] < 1e-6 and gaps_lr["SGD, clipped at 0.01"] > 1e-4,
+claim("clipped at 0.01, where even the averaged gradients are longer than 0.01 at every step: "
+      "summing equals averaging at the same lr (to 1e-6), not at lr × N (more than 1e-4)",
+      min(gaps_lr["averaged gradients' lengths"]) > 0.01
+      and gaps_lr["SGD, clipped, same lr"] < 1e-6 and gaps_lr["SGD, clipped at 0.01"] > 1e-4,
       gaps=gaps_lr)
 claim("with weight decay it differs (more than 1e-4) unless the decay is divided by N too "
       "(then to 1e-6)",
@@ -1637,12 +1646,13 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   hangs the others), and combine the ranks so that the result equals one process exactly
 #   (how: lab 04, then the folded `evaluate`). Rank 0's number, a mean of means and
 #   `DistributedSampler`'s padding each give another one.
-# * A rank with fewer batches hangs the others in their next all-reduce; `Join([model])` keeps
+# * A rank with fewer batches hangs the others in their next all-reduce (or meets it with
+#   a collective of its own, a mismatch); `Join([model])` keeps
 #   it answering until all are done, then makes the modules equal (not the optimizer states).
 # * DDP averages: at a fixed per-rank batch the global batch grows with N (linear scaling rule:
 #   lr × k for a k× batch, with warm-up). Summed gradients equal averaged ones at lr × N for SGD
 #   (with or without momentum; bit for bit when N is a power of two), not with weight decay,
-#   not under gradient clipping, and not for Adam.
+#   not under gradient clipping (the same lr when the average is clipped too), and not for Adam.
 # * `no_sync` accumulation equals the big batch and all-reduces `accum` times less. AMP leaves
 #   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that).
 #   Buffers get rank 0's before a forward by section 4's rule. With small per-rank batches, synchronised batch statistics

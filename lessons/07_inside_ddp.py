@@ -141,7 +141,7 @@ for kind in ("after_backward", "per_parameter"):
 #
 # | flags | buckets at construction | rebuilt? |
 # |---|---|---|
-# | default (`find_unused_parameters=False`) | **one** | once, at the second forward (`_pre_forward` calls `reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
+# | default (`find_unused_parameters=False`) | **one** (of one dtype; several: lab 07, part 1) | once, at the second forward (`_pre_forward` calls `reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
 # | `find_unused_parameters=True` | by the caps over *registration* order, then the list reversed (`_ddp_init_helper`) | never: a 1 MiB first bucket holds the first-defined layers and is reduced last |
 # | both flags `True` | one, as the default | once (`should_rebuild_buckets`) |
 #
@@ -247,7 +247,8 @@ with viz.folded_output("▶ Both groupings — open after your lab passes"):
 #
 # The rule: add the next parameter to the open bucket of its dtype and device, and close the
 # bucket once it has **reached** the cap — so a bucket can end above the cap by its last
-# parameter, and a parameter bigger than the cap closes the bucket it joins. With parameters
+# parameter, and a parameter bigger than the cap closes the bucket it joins. Default DDP's
+# construction cap, `sys.maxsize`, closes none: one bucket per dtype and device. With parameters
 # of several dtypes the lab wants the buckets in the order they complete; `assign_buckets`
 # adds the buckets still open at the end last, in the order their dtypes first appeared
 # (this lesson's models are float32 throughout).
@@ -331,6 +332,8 @@ model = cfg.build()
 buckets = overlap.assign_buckets(list(model.parameters()), cap_mb)
 names = {p: n for n, p in model.named_parameters()}
 print(f"cap {cap_mb} MiB: {len(buckets)} buckets for {len(names)} parameter tensors")
+viz.show_code(overlap.bucket_nbytes, folded="▶ overlap.bucket_nbytes: a bucket's bytes (here, "
+              "in the explorer and in section 4's model)")
 
 # %% [markdown]
 # **▶ Each bucket's bytes and parameters — open after your lab passes** (they show where the
@@ -726,19 +729,35 @@ claim("and, by the sign test over the 15 rounds (compare, section 4), the overla
       words=words)
 
 # %%
-# NBVAL_IGNORE_OUTPUT
-# Why: times depend on this machine and its load.
 c_total = sum(wire_ms(b) for b in off_cpu["bucket_bytes"])
 c_last = wire_ms(off_cpu["bucket_bytes"][-1])
 wire_sizes = [(len(b), overlap.bucket_nbytes(b))
               for b in overlap.assign_buckets(list(wire_cfg.build().parameters()), 4)]
-wire_ready = [t * wire_backward / parts["backward"] for t in ready]   # section 4's, rescaled
-after_ms, overlap_ms = (overlap.predict_step(wire_ready, wire_sizes, wire_ms, 0, wire_backward, 0,
-                                             overlap=o)["step_ms"] for o in (False, True))
+
+
+def predicted_saving(backward_ms):  # the model, section 4's arrival times rescaled to this backward
+    ready_ms = [t * backward_ms / parts["backward"] for t in ready]
+    after, over = (overlap.predict_step(ready_ms, wire_sizes, wire_ms, 0, backward_ms, 0,
+                                        overlap=o)["step_ms"] for o in (False, True))
+    return after - over
+
+
+run = {k: {part: statistics.median(off_cpu[k][part]) for part in ("forward", "backward")}
+       for k in ("overlap", "control")}          # this run's own times (medians)
+predicted = {"calibration": predicted_saving(wire_backward),
+             "rounds": predicted_saving(run["control"]["backward"])}
+
+# %% [markdown]
+# **▶ The printout's code** (click the folded cell below; its printout stays in view): the
+# predictions beside the measured saving, the bound, the backward's paired difference.
+
+# %% jupyter={"source_hidden": true}
+# NBVAL_IGNORE_OUTPUT
+# Why: times depend on this machine and its load.
 print(f"calibration: B = backward alone {wire_backward:.1f} ms, C = the messages {c_total:.1f} ms, C_last "
       f"{c_last:.1f} ms: bound min(B, C − C_last) = {min(wire_backward, c_total - c_last):.1f} "
       f"ms; the model, each bucket sent once its gradients were ready (section 4's times, "
-      f"rescaled), predicts a saving of {after_ms - overlap_ms:.1f} ms")
+      f"rescaled), predicts a saving of {predicted['calibration']:.1f} ms")
 print(f"this run, overlapped against its control: {words}")
 display(Markdown(  # the sentence the next paragraph builds on, from this run's sign test
     "**In this run overlap paid:** the overlapped step was clearly faster by the sign test."
@@ -746,8 +765,6 @@ display(Markdown(  # the sentence the next paragraph builds on, from this run's 
     "**In this run the sign test could not tell the two steps apart** (a loaded machine delays "
     "the wire thread and blurs the rounds); what holds is the claim above: less of the "
     "messages' time was left after the backward when overlapped."))
-run = {k: {part: statistics.median(off_cpu[k][part]) for part in ("forward", "backward")}
-       for k in ("overlap", "control")}          # this run's own times (medians)
 bound_run = min(run["control"]["backward"], left["control"] - c_last)
 saved = -statistics.median(o - c for o, c in zip(off_cpu["overlap"]["step"], off_cpu["control"]["step"]))
 shift = sum(run["control"].values()) - sum(run["overlap"].values())
@@ -756,6 +773,10 @@ print(f"in these rounds, overlapped / control: forward {run['overlap']['forward'
       f"{run['control']['backward']:.1f} ms, the control's messages {left['control']:.1f} ms: "
       f"bound {bound_run:.1f} ms, median saving {saved:.1f} ms, " + ("within it" if saved <=
       bound_run else f"above it: the control's forward + backward took {shift:+.1f} ms more"))
+print(f"the model on these rounds' own backward (B / C = {run['control']['backward'] / c_total:.2f}"
+      f") predicts {predicted['rounds']:.1f} ms: measured minus predicted "
+      f"{saved - predicted['rounds']:+.1f} ms ({saved / predicted['rounds'] - 1:+.0%}); against "
+      f"the calibration's prediction, {saved - predicted['calibration']:+.1f} ms")
 d_bwd, d_cal = (statistics.median(o - c for o, c in zip(r["overlap"]["backward"], r[
     "control"]["backward"])) for r in (off_cpu, calibration))      # ms, paired rounds
 close = lambda d: abs(d) <= 0.05 * wire_backward
@@ -767,17 +788,19 @@ print(f"backward, overlapped minus control (median of paired rounds): {d_bwd:+.1
       "and the wake-ups alone moved it too (the calibration's differed by over 5%)")))
 claim("the bound is B here (C − C_last is larger), and the model's saving is below it: the "
       "wire starts only once the first bucket is complete",
-      c_total - c_last > wire_backward > after_ms - overlap_ms)
+      c_total - c_last > wire_backward > predicted["calibration"])
 
 # %% [markdown]
 # Once the communication takes (almost) no CPU, the messages go on the wire under the backward
 # (the first claim above); the verdict above says whether the whole step was clearly faster,
 # and the backward's paired difference says whether the compute stayed undisturbed, which the
 # model assumes and a CPU need not give even with the wire off it.
-# At B / C = ½ the backward is shorter than the messages of all buckets but the last together, so the bound is B, not C − C_last; and as the first
-# bucket is complete only some way into the backward, the model expects less than B. (The
-# measured saving is held against the bound from the rounds' own times, printed above: on a
-# loaded machine their backward can outlast the calibration's.)
+# At the calibration's B / C = ½ the backward is shorter than the messages of all buckets but
+# the last together, so the bound is B, not C − C_last; and as the first bucket is complete
+# only some way into the backward, the model expects less than B. But the wire's speed was set
+# from the calibration's backward, and the rounds' own backward can differ (on a loaded
+# machine it can outlast it), and B / C with it: so the model's test is its prediction from
+# the rounds' own backward, printed above with the measured saving and the gap between them.
 #
 # The bound also says **when** overlap can pay: once the **compute-to-communication ratio
 # B / C is about 1 or more**, it *can* hide all but the last bucket; how much it does depends
@@ -1439,6 +1462,7 @@ claim("set_to_none=True: in every step autograd wrote a fresh tensor, elsewhere 
 #   still saves up to B. The model has no term for gloo and the backward sharing the CPU's
 #   cores: section 4 prints its prediction beside what the run measured, and its noise floor;
 #   with a simulated wire that takes no CPU, the messages go on the wire under the backward,
+#   the model's saving (from the rounds' own backward) is printed beside the measured one,
 #   and section 4's sign test says whether that run's step was clearly faster.
 # - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
 #   ends within 0.15 of the uncompressed loss (a loose bound: the loss falls only a few tenths
@@ -1465,7 +1489,7 @@ viz.quiz(quizzes.questions("07"))
 #
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: the first bucket is
 #   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when `bucket_cap_mb` is left at its
-#   default; `_BucketCapacityConfig.compute_bucket_size_limits`: one bucket before the first
+#   default; `_BucketCapacityConfig.compute_bucket_size_limits`: no cap (`sys.maxsize`) before the first
 #   rebuild unless `find_unused_parameters` (then `[first_bucket_bytes_cap, bucket_bytes_cap]`
 #   over registration order); `DistributedDataParallel._ddp_init_helper`: buckets from the
 #   reducer's assignment function (named in the folded sources at the end), then the list reversed (so the 1 MiB bucket
@@ -1564,8 +1588,8 @@ viz.quiz(quizzes.questions("07"))
 # - `torch/distributed/__init__.py` — `_compute_bucket_assignment_by_size`: the reducer's C++
 #   bucket assignment as torch exposes it (`dist._compute_bucket_assignment_by_size`, given a
 #   list of size limits; what `_ddp_init_helper` calls, and section 3's folded cell).
-# - `compute_bucket_assignment_by_size` (`reducer.cpp`): a bucket is closed once
-#   `bucket.size >= limit`.
+# - `compute_bucket_assignment_by_size` (`reducer.cpp`): one open bucket per dtype and device,
+#   closed once `bucket.size >= limit`.
 #   Still-open buckets follow the closed ones, unsorted, unless no `tensor_indices` are given
 #   (DDP's first-iteration call: sorted by smallest index); so with several dtypes the rebuild
 #   can list a complete bucket behind a waiting one (lab 07's part 1 orders by completion).

@@ -499,9 +499,10 @@ except NotImplementedError:
 # four copies run one after another against your threads, with one torch thread per operation
 # so that the threads, not torch's own pool, share the cores. One timing says little on a
 # shared machine (two runs of the same cell can disagree by a factor of two): the cell runs the two ways in
-# interleaved rounds, so that a slow moment hits both, and its last line is the verdict of
-# lesson 01's `compare_rates` — a difference only when one way won every round (or all but
-# one of five), otherwise "no clear difference".
+# nine interleaved rounds, so that a slow moment hits both, and its last line is the verdict
+# of lesson 01's `compare_rates` — a difference only when one way won at least 8 of the 9
+# rounds (a two-sided sign test at 5%, lesson 02's bar), otherwise "no clear difference" — with
+# the sign test's p.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -509,7 +510,7 @@ except NotImplementedError:
 import os
 import time
 
-from dpcourse.train import compare_rates
+from dpcourse.train import compare_rates, sign_test_p
 
 torch.manual_seed(0)
 net = models.SmallCNN(width=16)
@@ -531,13 +532,15 @@ try:
         for fn in ways.values():
             fn()  # warm-up
         rates = {name: [] for name in ways}
-        for _ in range(5):  # rounds, interleaved so that a slow moment hits both ways
+        for _ in range(9):  # rounds, interleaved so that a slow moment hits both ways
             for name, fn in ways.items():
                 rates[name].append(samples_per_s(fn))
     for name, runs in rates.items():
         print(f"4 copies {name:17}: {', '.join(f'{r:5.0f}' for r in runs)} samples/s")
-    print(f"On this run ({os.cpu_count()} cores): "
-          + compare_rates("one after another", rates["one after another"],
-                          "in threads", rates["in threads"]))
+    verdict = compare_rates("one after another", rates["one after another"],
+                            "in threads", rates["in threads"])
+    p = sign_test_p(rates["one after another"], rates["in threads"])
+    print(f"On this run ({os.cpu_count()} cores): {verdict}"
+          + ("" if "sign test p" in verdict else f" (sign test p = {p:.3g})"))
 except NotImplementedError:
     print("Stretch skipped: write threaded_apply above to time it.")

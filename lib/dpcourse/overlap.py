@@ -152,6 +152,10 @@ class PerParameterHooks(nn.Module):
 
 
 def bucket_nbytes(params) -> int:
+    """The bytes of ``params`` in one flat buffer: what a bucket of them sends per all-reduce.
+
+    Shown in lesson 07, §3.
+    """
     return sum(p.numel() * p.element_size() for p in params)
 
 

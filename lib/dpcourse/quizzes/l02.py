@@ -24,13 +24,14 @@ QUESTIONS = [
              "those of a copy that saw chunk 0 alone.",
              "The folded answer after the lab's pointer measured them bit-identical to those of "
              "a copy that saw chunk 0 alone: no average of the chunks."]},
-    {"q": "In this lesson's DataParallel, which copies one device at a time (a naive parameter "
-          "server), with 8 devices and a model of K parameters, how many numbers of weights and "
+    {"q": "In this lesson's strawman dp, which copies one device at a time (a naive parameter "
+          "server; not torch's nn.DataParallel, whose NCCL collectives pipeline the bytes), "
+          "with 8 devices and a model of K parameters, how many numbers of weights and "
           "gradients cross device 0's link per step?",
      "options": ["3.5K", "14K", "8K"],
      "answer": 1,
      "why": ["That is what one rank of a ring all-reduce sends plus receives, 4(N−1)K/N at "
-             "N = 8, counted the same way: not device 0 of this DataParallel.",
+             "N = 8, counted the same way: not device 0 of this dp.",
              "Right: 2(N−1)K = 14K — K out to each of 7 copies, K gradients back from each (the "
              "batch's chunks and outputs cross it too, an amount that grows with the batch).",
              "Close, but the weights go out to 7 copies AND 7 gradients come back."]},
