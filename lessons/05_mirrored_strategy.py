@@ -51,7 +51,8 @@ multiworker_timeout = 90
 # thing a TF notebook does — before any other TF code, in every fresh kernel. (Importing TF is
 # harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables (unless
 # you set them), to keep TF's C++ log lines out of the notebook and to turn off oneDNN's custom
-# operations. Across machines the last bits may still differ (the aside says why), and two
+# operations (oneDNN: Intel's library of fast CPU kernels). Across machines the last bits may
+# still differ (the aside says why), and two
 # ways of computing one number may add in different orders: the lesson's comparisons state a
 # tolerance.
 #
@@ -274,11 +275,16 @@ viz.show_code(mirrored.make_dataset)
 # An in-memory cache outlives its iterators, so each round builds both pipelines anew. A fresh
 # pipeline's first epoch may also pay one-time costs: the pipeline that decodes every time does
 # the same work in both epochs, so its first minus its second shows how much — which a
-# two-epoch total would mix in. After an untimed warm-up of each kind (tracing the `map`,
+# two-epoch total would mix in. After an untimed warm-up of each kind (tracing the `map`: TF
+# runs its Python function once to record it as a graph, §4,
 # loading the decoder), three rounds, the two kinds taking turns to go first; a gain is called
 # only when every round's second epoch shows one (5 % or more).
 
-# %%
+# %% [markdown]
+# **▶ The timing's code** (folded below; its output shows: each round's two epochs, then what
+# this run's numbers show).
+
+# %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # (why: timings; they depend on this machine's cores and load.)
 def seconds_per_epoch(pipeline, epochs=2):
@@ -512,6 +518,8 @@ viz.show_code(mirrored.copy_torch_weights)
 # claim on what goes wrong otherwise).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+from dpcourse import mirrored_answers
+
 viz.show_code(mirrored.mirrored_cnn, mirrored.optimizer_in,
               folded="▶ mirrored_cnn and optimizer_in — open after your lab passes")
 mirrored_cnn = mirrored.mirrored_cnn
@@ -521,17 +529,10 @@ def optimizer_in(strat, rate=lr, **options):  # this lesson's learning rate unle
     return mirrored.optimizer_in(strat, rate, **options)
 
 
-made_outside = keras.optimizers.SGD(learning_rate=lr)   # constructed outside the scope ...
-with strategy.scope():
-    w_probe = tf.Variable(1.0)
-    made_outside.build([w_probe])                       # ... built inside it
-made_inside = optimizer_in(strategy, build_for=[w_probe])
-kinds = {name: type(o.iterations.value).__name__
-         for name, o in (("outside", made_outside), ("inside", made_inside))}
+viz.show_code(mirrored_answers.measure_optimizer_counter,
+              folded="▶ The claim's code — open after your lab passes")
 with viz.folded_output("▶ The claim — open after your lab passes"):
-    claim("an SGD constructed outside the scope and built inside keeps an unmirrored step "
-          "counter (its constructor made it); optimizer_in's is mirrored",
-          kinds == {"outside": "ResourceVariable", "inside": "MirroredVariable"}, kinds=kinds)
+    mirrored_answers.measure_optimizer_counter(strategy, lr)
 
 # %% [markdown]
 # Every proof from here on runs the course's Keras CNN, `mirrored.build_keras_cnn` (the twin of
@@ -590,14 +591,17 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # the gradient is **N× too small**.
 #
 # The loss most Keras 3 code writes is neither: a Keras loss object,
-# `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. Under a strategy,
-# every call of a Keras loss with a mean reduction — the default `"sum_over_batch_size"`, or
-# `"mean"`, in `fit` and in your own `strategy.run` step alike — takes the mean over the
-# replica's own slice and multiplies it by 1 / `num_replicas_in_sync` (with
-# `"mean_with_sample_weight"` and weights, the slice's weight sum is the divisor);
-# `reduction="sum"` or `"none"` is not scaled (`reduce_values` in Keras' losses; claimed below).
-# So in a custom loop the default loss is already scaled, and code that divides it by the number
-# of replicas once more makes the gradient N× too small.
+# `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. A call of a Keras
+# loss with a mean reduction — the default `"sum_over_batch_size"`, or `"mean"` — takes the mean
+# over the values it is given and multiplies it by 1 / `num_replicas_in_sync` whenever
+# `tf.distribute.get_strategy()` returns the strategy: in `fit` and in your own `strategy.run`
+# step alike, but also in plain host code under `with strategy.scope()` (with
+# `"mean_with_sample_weight"` and weights, the weight sum is the divisor); `reduction="sum"` or
+# `"none"` is not scaled (`reduce_values` and `scale_loss_for_distribution` in Keras' losses;
+# claimed below). The 1/N is right only for one replica's share that the strategy then sums. So
+# in a custom loop the default loss is already scaled, and code that divides it by the number
+# of replicas once more makes the gradient N× too small; and a loss computed once on the host
+# for a whole batch inside the scope — a validation loss, say — comes out N× too small.
 # The library's function for these rows:
 
 # %% [markdown]
@@ -671,12 +675,19 @@ claim("a Keras loss object divided by num_replicas_in_sync + SUM is N× too smal
       abs(ratios["keras_over_replicas", "sum"] - 1 / n) < 1e-4, ratios=ratios)
 logits8, sce = single(xb[:8]), keras.losses.SparseCategoricalCrossentropy
 total = float(tf.reduce_sum(mirrored.per_example_loss(yb[:8], logits8)))
+outside_scope = float(sce(from_logits=True)(yb[:8], logits8))   # no strategy: the plain mean
 with strategy.scope():   # Keras asks tf.distribute.get_strategy() for num_replicas_in_sync
     by = {r: float(sce(from_logits=True, reduction=r)(yb[:8], logits8))
           for r in ("sum_over_batch_size", "sum")}
-claim("under the strategy the default reduction is the mean × 1/N, reduction='sum' the unscaled "
-      "sum (to 1e-5 relative)", np.isclose(by["sum_over_batch_size"], total / 8 / n, rtol=1e-5)
+claim("on the host, under the strategy's scope, the default reduction is the mean × 1/N, "
+      "reduction='sum' the unscaled sum (to 1e-5 relative)",
+      np.isclose(by["sum_over_batch_size"], total / 8 / n, rtol=1e-5)
       and np.isclose(by["sum"], total, rtol=1e-5), by=by, total=total)
+claim("outside the scope the same call is the plain mean: so a whole batch's loss computed on "
+      "the host inside the scope is N× too small (to 1e-5 relative)",
+      np.isclose(outside_scope, total / 8, rtol=1e-5)
+      and np.isclose(by["sum_over_batch_size"] * n, outside_scope, rtol=1e-5),
+      outside_scope=outside_scope, inside_scope=by["sum_over_batch_size"])
 x_eq, y_eq = next(iter(strategy.experimental_distribute_dataset(
     tf.data.Dataset.from_tensor_slices((xb, yb)).batch(global_batch))))
 
@@ -721,70 +732,10 @@ claim("with equal slices, compute_average_loss without global_batch_size (÷ its
 # cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(mirrored_answers.measure_last_step,
+              folded="▶ The claims' code — open once lab 05 part 4 has measured your prediction")
 with viz.folded_output("▶ Its claims — open once lab 05 part 4 has measured your prediction"):
-    one_sample = tf.data.Dataset.from_tensor_slices((xb[:1], yb[:1])).batch(global_batch)
-    x_last, y_last = next(iter(strategy.experimental_distribute_dataset(one_sample)))
-    sizes = [int(t.shape[0]) for t in strategy.experimental_local_results(x_last)]
-    called_on = []   # the replica of every step_fn call
-
-    def step_fn(x, y):
-        called_on.append(int(tf.distribute.get_replica_context().replica_id_in_sync_group))
-        return tf.shape(y)[0]
-
-    strategy.run(step_fn, args=(x_last, y_last))
-    claim("a last step of one sample: each replica's slice as the folded text above says",
-          sizes == [1] + [0] * (n_replicas - 1), sizes=sizes)
-    claim("strategy.run's step_fn calls on those slices: as the folded text above says",
-          sorted(called_on) == list(range(n_replicas)), called_on=called_on)
-    with strategy.scope():
-        empty = sce(from_logits=True)(yb[:0], logits8[:0])
-    claim("eagerly, on an empty slice the default reduction returns the empty value unscaled: "
-          "shape (0,)", tuple(empty.shape) == (0,), shape=tuple(empty.shape))
-
-    @tf.function(input_signature=[tf.TensorSpec([None], yb.dtype),
-                                  tf.TensorSpec([None, logits8.shape[-1]], logits8.dtype)])
-    def traced_keras_loss(y, logits):   # batch dimension unknown while tracing, as in fit
-        return sce(from_logits=True)(y, logits)
-
-    with strategy.scope():
-        traced_empty = traced_keras_loss(yb[:0], logits8[:0])
-    claim("in a tf.function with an unknown batch dimension, the same empty slice gives a "
-          "scalar 0.0",
-          tuple(traced_empty.shape) == () and float(traced_empty) == 0.0,
-          shape=tuple(traced_empty.shape), value=float(traced_empty))
-    traced_shapes = []   # the x shape each replica's loss_fn was traced with
-
-    @tf.function          # plain: traced with the shapes of the batch it is called on
-    def plain_traced_step(x, y):
-        def loss_fn(x, y):
-            traced_shapes.append(tuple(x.shape))
-            return sce(from_logits=True)(y, replicated(x))
-        return strategy.run(loss_fn, args=(x, y))
-
-    per_replica_shapes = [tuple(t.shape) for t in
-                          strategy.experimental_local_results(plain_traced_step(x_last, y_last))]
-    claim("a plain @tf.function over strategy.run traces each replica with its slice's concrete "
-          "shape, so the empty replicas' Keras loss has shape (0,) there too, as eagerly",
-          sorted(s[0] for s in traced_shapes) == [0] * (n_replicas - 1) + [1]
-          and per_replica_shapes == [()] + [(0,)] * (n_replicas - 1),
-          traced_shapes=traced_shapes, per_replica_shapes=per_replica_shapes)
-    iterator_shapes = []
-
-    @tf.function
-    def step_on_iterator(iterator):   # reads its batch inside the function, as fit does
-        def loss_fn(x, y):
-            iterator_shapes.append(tuple(x.shape))
-            return sce(from_logits=True)(y, replicated(x))
-        return strategy.run(loss_fn, args=next(iterator))
-
-    from_iterator = strategy.experimental_local_results(
-        step_on_iterator(iter(strategy.experimental_distribute_dataset(one_sample))))
-    claim("with the batch read from an iterator inside the tf.function, the trace has batch size "
-          "None and every replica's loss is a scalar: 0.0 on the empty ones",
-          all(s[0] is None for s in iterator_shapes)
-          and [tuple(t.shape) for t in from_iterator] == [()] * n_replicas
-          and [float(t) for t in from_iterator[1:]] == [0.0] * (n_replicas - 1),
-          iterator_shapes=iterator_shapes, losses=[float(t) for t in from_iterator])
+    mirrored_answers.measure_last_step(strategy, replicated, xb, yb, global_batch)
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cell below: the
@@ -959,9 +910,15 @@ for policy_name in ("mixed_float16", "mixed_bfloat16"):
 # tape, with `optimizer.scale_loss(loss)`, as Keras' own train step does. A loop that only wraps
 # the optimizer trains without any error, its SGD steps 32768 times too small at the start (the
 # dynamic scale then doubles after every 2000 finite steps, so the shortfall grows). Measured: one step of the
-# mirrored loop, from the same weights on the same batch, with and without `scale_loss` (float32
-# layers: the arithmetic of the scale does not depend on the compute dtype; a learning rate of
-# 100, so that a step 32768 times too small still moves the float32 weights measurably).
+# mirrored loop, from the same weights on the same batch, with and without `scale_loss`, with
+# float32 layers, where dividing by a power of two loses nothing and the step is a clean
+# 1/32768 of plain SGD's (a learning rate of 100, so that a step 32768 times too small still
+# moves the float32 weights measurably). Under `mixed_float16` — the case loss scaling exists
+# for, and the only one where `compile` wraps the optimizer — it is worse, not measured here
+# (this profile trains no float16 layer): without `scale_loss` the float16 intermediate
+# gradients are not lifted, so the small ones underflow to zero (the `LossScaleOptimizer`
+# docstring's reason for the scale), and the step is 1/32768 of a gradient that has also lost
+# those components.
 
 # %%
 probe_lr = 100.0
@@ -1255,7 +1212,9 @@ viz.show_code("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.
 #   summed loss by the **global** batch (`compute_average_loss` with `global_batch_size=`; without
 #   it, by its slice × N); `reduce_mean` makes the gradient N× too big, averaging again N× too small. A
 #   Keras loss object (default reduction) is already scaled (its slice's mean × 1/N, right for
-#   equal slices): dividing it again makes the gradient N× too small.
+#   equal slices): dividing it again makes the gradient N× too small; and since it is scaled
+#   wherever the strategy is current, a whole batch's loss computed on the host under
+#   `strategy.scope()` comes out N× too small.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs and
 #   logical GPUs, NCCL on real GPUs); `ReductionToOneDevice` — copy to one device, add, send
 #   back — is what you get with mixed devices or ask for, and, whenever merge calls are on
@@ -1263,7 +1222,9 @@ viz.show_code("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.
 #   per-replica result to the host.
 # * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`; a
 #   custom loop that wraps it must also call `optimizer.scale_loss(loss)` in the tape, or every
-#   gradient is 1/32768 (and smaller still as the scale grows) of what it should be.
+#   gradient is 1/32768 (and smaller still as the scale grows) of what it should be — measured
+#   with float32 layers; with float16 ones, of a gradient whose small intermediate values
+#   underflowed besides.
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
@@ -1327,13 +1288,13 @@ viz.quiz(quizzes.questions("05"))
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given; without it (`global_batch_size is None`, lines 116-128), by the replica's own batch (`shape(per_example_loss)[0]`) × `num_replicas_in_sync` (the docstring's "Defaults to", lines 98-99).
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
-# - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling.
+# - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling; `scale_loss_for_distribution` reads the factor from `tf.distribute.get_strategy().num_replicas_in_sync`, so it applies wherever that returns the strategy, host code under `strategy.scope()` included.
 # - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`, the eager check, lines 234-237); `_MirroredReplicaContext._merge_call`: a merge call made in a graph other than the one being traced — inside a control-flow branch of a `tf.function` — raises "`merge_call` called while defining a new graph or a tf.function … control flow statement which contains a synchronization point" (lines 490-503); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
 # - `keras/src/metrics/metric.py` — `Metric.add_variable`: a metric's state variables are created with `synchronization="on_read"` (line 204); `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._create_variable` calls `distribute_utils.create_mirrored_variable` with `VARIABLE_CLASS_MAPPING` (`tensorflow/python/distribute/distribute_utils.py`, lines 480-484): `ON_WRITE` (the default) → `MirroredVariable`, `ON_READ` → `SyncOnReadVariable`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value); `SyncOnReadVariable._get_cross_replica`: read in the cross-replica context, the copies are combined by `strategy.reduce` with the variable's aggregation (the first replica's copy for `ONLY_FIRST_REPLICA`).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
 # - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.
-# - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`.
+# - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`; its docstring (lines 21-24): the loss is scaled "to prevent numeric underflow in intermediate gradients when float16 is used", which scales the intermediate gradients too.
 # - `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._initialize_multi_worker`: `TF_CONFIG`'s cluster, a gRPC server per worker (`protocol="grpc"`).
 # - `tensorflow/python/distribute/collective_util.py` — `Options`: the communication implementation defaults to `AUTO`; `dpcourse/tf_multiworker_worker.py` asks for `RING`.
 # - `tensorflow/python/distribute/multi_worker_util.py` — `is_chief`: without a "chief" task, worker 0 is the chief.

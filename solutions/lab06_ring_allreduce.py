@@ -129,9 +129,10 @@ _ = lab06.check_scatter_reduce(scatter_reduce)
 # %% [markdown]
 # <details><summary>▶ Hint 3 — the shape of the code</summary>
 #
-# The same two-part step as the scatter-reduce (copies first, then one write per worker), a
-# lookup in `owner` that gives worker i its own finished chunk at step N, and an assignment
-# where the scatter-reduce added.
+# The same step as the scatter-reduce (one write per worker, and no copy, for part 1's
+# reason: no worker sends, in a step, the chunk it receives into), a lookup in `owner` that
+# gives worker i its own finished chunk at step N, and an assignment where the scatter-reduce
+# added.
 #
 # </details>
 
@@ -144,10 +145,9 @@ def all_gather(buffers, owner=None):
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for t in range(n, 2 * n - 1):  # steps t = N .. 2(N-1), numbered on as in lesson 06
         ### BEGIN SOLUTION: one all-gather step
-        chunks = [owner[(i - t) % n] for i in range(n)]  # at t = N: owner[i], worker i's own
-        outgoing = [buffers[i][slice(*bounds[c])].copy() for i, c in enumerate(chunks)]
-        for i, c in enumerate(chunks):
-            buffers[(i + 1) % n][slice(*bounds[c])] = outgoing[i]
+        for i in range(n):  # no copy, as in the scatter-reduce
+            c = owner[(i - t) % n]  # at t = N: owner[i], worker i's own finished chunk
+            buffers[(i + 1) % n][slice(*bounds[c])] = buffers[i][slice(*bounds[c])]
         ### END SOLUTION
 
 # %%
@@ -378,8 +378,9 @@ except lab06.LabCheckError as err:
 # **Your design decision:** how far ahead of the addition your ring runs. Every receive in
 # flight holds a buffer of its own; more of them ask more memory of every rank. Decide,
 # **before you write the ring**, how many scatter-reduce receives it will keep in flight at
-# most with `segments=4`, and be ready to say what a larger or a smaller number would buy or
-# cost. Then write the ring so that it keeps that many. The check measures the count on every
+# most with `segments=4` (a receive is in flight from the moment it is posted until its wait
+# returns, so the one you are about to wait on counts too), and be ready to say what a larger
+# or a smaller number would buy or cost. Then write the ring so that it keeps that many. The check measures the count on every
 # rank and compares it with your decision; the first number it compares is kept as your
 # decision for this Jupyter kernel (session), and another number afterwards is refused (trying
 # numbers until one passes is a search, not a decision): if the two disagree, it is the ring

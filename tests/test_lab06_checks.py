@@ -723,6 +723,7 @@ def test_ring_reference_passes(capsys):
     assert "divided by its 2(N-1) steps, that is 3.0, 2.0, 2.0, 2.5, 2.3, 2.0, 2.0 per step " \
            "on average" in out, out
     assert "its slowest single step took 3, 2, 2, 3, 3, 2, 2." in out, out
+    assert "Your slowest step grows with N" not in out, out  # even/odd: it does not
     assert "a step took about" not in out, out  # a mean is never called "a step"
     assert "built from blocking dist.send/dist.recv only" in out, out
     assert "on 3, 2, 4 ranks" in out, out
@@ -868,6 +869,11 @@ def test_orders_whose_step_time_stays_bounded_pass(fn, on_4_to_16, capsys):
     assert f"that is {on_4_to_16} per step on average" in out, out
     if fn is ring_first_half:  # its start-up chain shows as the slowest step, paid once
         assert "its slowest single step took 3, 4, 5, 5, 9." in out, out
+        # ... and the ✔ line says why a growing slowest step still keeps the contract
+        assert "Your slowest step grows with N (3 transfer times on 4 ranks, 9 on 16, its " \
+               "step 1)" in out and "The contract judges the average" in out, out
+    else:
+        assert "Your slowest step grows with N" not in out, out
 
 
 def test_the_step_time_model():

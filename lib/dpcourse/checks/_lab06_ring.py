@@ -130,7 +130,28 @@ def _timing_sentence(timed: dict, modelled: dict) -> str:
             f"ended, the whole ring took {total} transfer times; divided by its 2(N-1) steps, "
             f"that is {mean} per step on average (N in the same order), and its slowest single "
             f"step took {slow}. The average is what the ring pays: ranks do not wait for one "
-            f"another between steps, so a slow step is overlapped by the steps after it.")
+            f"another between steps, so a slow step is overlapped by the steps after it."
+            + _growing_slowest_sentence(timed))
+
+
+def _growing_slowest_sentence(timed: dict) -> str:
+    """Said only when the slowest single step grows with N (from the smallest N >= 4 timed to
+    the largest, by more than one transfer time), as "the first half of the ranks send first"
+    makes it (3 on 4 ranks, 9 on 16): why that order still keeps part 3's contract, which
+    judges the average, and what the growing step is."""
+    sizes = [n for n in timed if n >= 4 and timed[n][1]]
+    if len(sizes) < 2:
+        return ""
+    small, large = min(sizes), max(sizes)
+    (step, longest), shortest = timed[large][1], timed[small][1][1]
+    if longest <= shortest + 1:
+        return ""
+    return (f" Your slowest step grows with N ({shortest} transfer times on {small} ranks, "
+            f"{longest} on {large}, its step {step}): there a run of neighbouring ranks that "
+            f"make the same first call wait for one another in a chain. The contract judges "
+            f"the average, which stays bounded, because that chain is paid once and the steps "
+            f"after it overlap it; an order with no long run of ranks making the same first "
+            f"call keeps even its slowest step from growing.")
 
 
 def _check_ring_once(fn, world_size: int, timeout: float, dry_sizes=()) -> dict:
