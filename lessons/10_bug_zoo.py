@@ -89,30 +89,14 @@ claim("run plainly, bug 1 only times out, naming the rank that never finished, n
 # blocks until its partners arrive: gloo's blocking calls do. A call with `async_op=True`, and
 # an NCCL call once its *communicator* (the connections between the ranks' GPUs that its
 # collectives run over) exists, returns at once; the trace still shows what each rank called and
-# from which line, but not which one waits. `diagnose` adds a
-# dump of each rank's Python stack. The trace writes its lines from the `before` and `after`
-# hooks of `collectives.record_collectives`, a recorder that wraps each `dist.<collective>`
-# function for a `with` block, and `Recorder.run`, which each wrapped call goes through:
-# `before` as the call starts, `after` once it returns, and any call made meanwhile (the
-# monitored barrier that section 2 puts in `before`) passes unrecorded (**▶ folded below**;
-# it sees only calls through those functions):
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(collectives.record_collectives, collectives.Recorder.run)
+# from which line, but not which one waits.
 
 # %% [markdown]
 # `detectors.diagnose(fn, world_size, *args, timeout=...)` runs a worker (or a script) on N
-# ranks under that trace (`detectors.trace_collectives`, shown after bug 1), with
+# ranks under that trace (its code is shown after bug 1), with
 # `faulthandler.dump_traceback_later` armed to write each rank's
 # Python stack just before the time limit, and reports: finished, hung (which ranks, in which
 # call, at which line) or failed.
-#
-# **▶ `diagnose`'s plumbing**: the launch, the time limit, the
-# report's wording, and section 5's checks on scripts.
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(detectors.diagnose_worker, detectors.diagnose, detectors.TraceReport,
-              detectors.Diagnosis)
 
 # %% [markdown]
 # ## 2. Bugs that hang
@@ -146,6 +130,22 @@ viz.show_code(detectors.trace_collectives, detectors.compare_traces, detectors.c
               detectors.read_traces, detectors.user_frames,
               folded="▶ The trace's code: trace_collectives, compare_traces, caller_line, "
                      "read_traces, user_frames")
+
+# %% [markdown]
+# The trace writes its lines from the `before` and `after`
+# hooks of `collectives.record_collectives`, a recorder that wraps each `dist.<collective>`
+# function for a `with` block, and `Recorder.run`, which each wrapped call goes through:
+# `before` as the call starts, `after` once it returns, and any call made meanwhile (the
+# monitored barrier that `monitor=` puts in `before`, below) passes unrecorded (**▶ folded
+# below**; it sees only calls through those functions). Then `diagnose`'s plumbing: the launch,
+# the time limit, the report's wording, and section 5's checks on scripts.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(collectives.record_collectives, collectives.Recorder.run,
+              folded="▶ The recorder: record_collectives, Recorder.run")
+viz.show_code(detectors.diagnose_worker, detectors.diagnose, detectors.TraceReport,
+              detectors.Diagnosis,
+              folded="▶ diagnose's plumbing: diagnose_worker, diagnose, TraceReport, Diagnosis")
 
 # %% [markdown]
 # **`dist.monitored_barrier` names the rank that never came.** Put one before the collective
@@ -570,7 +570,7 @@ viz.show_code(bugzoo.mlp, bugzoo.small_batches)
 # program broken and fixed and returns the results by name.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(bugzoo.zoo_worker)
+viz.show_code(bugzoo.zoo_worker, folded="▶ zoo_worker, the one launch")
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="bugzoo-"))
@@ -583,8 +583,10 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 
 # %% [markdown]
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
-# rank, compared across ranks with no tolerance: replicas in sync are bit-identical (lesson
-# 03), and so are their checksums when every rank sums the same way. Weighted by position, so
+# rank, compared across ranks with no tolerance: replicas kept in sync are bit-identical (lesson
+# 03), so their checksums agree to the last bit when every rank sums the same way. The converse
+# does not hold: equal checksums are strong evidence, not proof, of equal bits (what a checksum
+# cannot see is folded after the lab pointer). Weighted by position, so
 # two tensors with the same sum but values in other places still differ. It is summed on the
 # tensor's own device, a chunk of elements at a time, so a GPU model needs no copy to the CPU.
 # Lab 10's stretch asks you for a detector of your own, `replicas_in_sync(model)`.
@@ -665,7 +667,8 @@ claim("fixed (average the gradients): gradients and weights agree at every step"
 # below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(bugzoo.averaged_loss_differentiable)
+viz.show_code(bugzoo.averaged_loss_differentiable,
+              folded="▶ Bug 5 with a differentiable all_reduce")
 
 # %%
 diff_ar = launch.spawn(bugzoo.averaged_loss_differentiable, world_size, backend="gloo")
@@ -674,8 +677,11 @@ claim("differentiable all_reduce: the gradient is exactly the rank's own (N time
       max(max(r["grad_minus_own"]) for r in diff_ar) == 0.0
       and detectors.compare_checksums([r["weights"][1] for r in diff_ar]))
 
+# %% [markdown]
+# **▶ The figure's code** (folded below): each rank's checksums summed per step, and the step
+# where bug 5's replicas part.
 
-# %%
+# %% jupyter={"source_hidden": true}
 def totals(runs):
     """One number per rank per step: the sum of a rank's checksums."""
     return [[sum(c.values()) for c in run] for run in runs]
@@ -706,20 +712,25 @@ viz.show(viz.replica_checksums_figure({
 # are *buffers*, updated from each rank's own batches. They differ per rank, and so do the
 # checkpoints and, unless DDP copies the buffers first (below), the evaluations. The detector
 # names exactly which tensors differ.
-# `nn.SyncBatchNorm` computes the statistics over the global batch; when it syncs (in
-# training mode, with an initialised process group) it accepts only CUDA, HPU, XPU or a
-# PrivateUse1 device and raises for CPU input. On CPU the fix here averages the running
-# statistics after each step: the ranks then agree and the detector goes quiet, but that is not
-# what one process with the global batch would hold (run below). The ranks' running means
-# average to the global mean (equal batches); not so the variances. `running_var` moves by
-# `momentum` (0.1 by default; 1 in the comparison below, which makes it the batch's) toward
-# each batch's *unbiased* variance, and for N ranks of n samples the global one is (the mean of the ranks' biased variances + the variance of their
-# means) · Nn/(Nn − 1): the plain average misses the means' spread and divides by n − 1, not Nn − 1, so it can land above the global
-# value or below. SyncBatchNorm gathers every rank's mean, inverse std
-# and count, normalizes with the global statistics, and updates the running ones from them
-# (`torch.batch_norm_gather_stats_with_counts` in `SyncBatchNorm.forward`).
 #
-# DDP's `forward_sync_buffers=True` (the default; it replaces
+# **The real fix, `nn.SyncBatchNorm`**, computes the statistics over the global batch: it
+# gathers every rank's mean, inverse std and count, normalizes with the global statistics, and
+# updates the running ones from them (`torch.batch_norm_gather_stats_with_counts` in
+# `SyncBatchNorm.forward`). When it syncs (in training mode, with an initialised process
+# group) it accepts only CUDA, HPU, XPU or a PrivateUse1 device and raises for CPU input.
+#
+# **The fix here, on CPU, averages the running statistics after each step**: the ranks then
+# agree and the detector goes quiet, but that is not what one process with the global batch
+# would hold (run below). The ranks' running means average to the global mean (equal
+# batches); not so the variances. For N ranks of n samples the global batch's variance is (the
+# mean of the ranks' biased variances + the variance of their means) · Nn/(Nn − 1): the plain
+# average misses the means' spread and divides by n − 1, not Nn − 1, so it can land above the
+# global value or below.
+#
+# **How `running_var` moves:** by `momentum` (0.1 by default; 1 in the comparison below, which
+# makes it the batch's) toward each batch's *unbiased* variance.
+#
+# **DDP's buffer sync.** DDP's `forward_sync_buffers=True` (the default; it replaces
 # `broadcast_buffers`, deprecated since 2.13) copies rank 0's buffers to every rank at the
 # *start* of each forward here (not of one after a `no_grad` or `no_sync()` forward: lesson 03)
 # — then BatchNorm updates them from each rank's own batch, so after the last step, when the
@@ -836,8 +847,9 @@ viz.show(viz.nan_spread_figure(local, {"broken": zoo[0]["nan"][False]["eval_loss
 # %% [markdown]
 # ### Bug 8: a forgotten `set_epoch`
 # `DistributedSampler` draws a new order each epoch only when told the epoch, by
-# `sampler.set_epoch(epoch)` (lesson 03). Forget it and every epoch deals the same order: training runs,
-# a bit worse, and nothing warns.
+# `sampler.set_epoch(epoch)` (lesson 03). Forget it and every epoch deals the same order, and
+# nothing warns at run time (only the class's docstring does). What the run below shows is the
+# order; what it costs training depends on the data, and is not measured here.
 
 # %%
 viz.show_code(bugzoo.forgotten_set_epoch, detectors.repeated_epoch_orders)
@@ -962,14 +974,14 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 # on a machine without them, NCCL as gloo and CUDA moves kept on the CPU — it can then tell
 # whether the rest of the script is right, not whether it runs on GPUs. The exit code is 0 only
 # for a clean, consistent run with nothing found (`ok = result.ok`, `Diagnosis.ok` from
-# section 1), so it fits in a CI job. On lab 10's own scripts (their docstring starts "Lab 10, bug N") it withholds its findings.
+# section 2), so it fits in a CI job. On lab 10's own scripts (their docstring starts "Lab 10, bug N") it withholds its findings.
 #
 # **▶ The command** (folded): `diagnose_script`, what `python -m dpcourse diagnose` runs.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import dpcourse.__main__ as dpcourse_cli
 
-viz.show_code(dpcourse_cli.diagnose_script)
+viz.show_code(dpcourse_cli.diagnose_script, folded="▶ The command: diagnose_script")
 
 # %%
 script = Path(tempfile.mkdtemp(prefix="diagnose-")) / "train_hang.py"
@@ -1001,7 +1013,8 @@ claim("naming rank 1, its all_reduce and the script's line 9",
 # printed or logged loss, metrics writer (TensorBoard, wandb) started, `all_reduce` and its
 # line, the first optimizer step, and whether the group was destroyed. After the run it
 # reads all ranks' records together (`script_checks.analyze`). `Watch.installed` sets each
-# wrapper in place of the torch function and puts the original back in its `finally`. Below:
+# wrapper in place of the torch function and puts the original back in its `finally` (folded
+# further down). Below:
 # one wrapper (`set_epoch`'s) and the part of `analyze` that makes the `set_epoch` finding;
 # after the `rank0_loss` rule below, the three other rules the script further down fires.
 #
@@ -1053,7 +1066,9 @@ claim("a heuristic on text: 'epoch 1 loss 0.512' and 'train loss=0.3' count as a
       heard=heard)
 
 # %% [markdown]
-# **▶ The wrappers behind these rules** (folded below): `Watch._sampler_iter` notes each
+# **▶ The wrappers behind these rules** (folded below): `Watch.installed` puts them in place
+# and registers an optimizer-step post-hook, `_after_step`, whose count of steps `finish`
+# writes as `steps` (what the barrier rule divides by); `Watch._sampler_iter` notes each
 # sampler read (its epoch, shuffle, seed, data set, whether gradients are on, and which loader
 # read it), `_loader_iter` and `_backward` count the backward calls during each loader read
 # (`analyze` counts a read as training when there was one); `Watch._collective` notes a
@@ -1063,10 +1078,13 @@ claim("a heuristic on text: 'epoch 1 loss 0.512' and 'train loss=0.3' count as a
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 from dpcourse import script_watch
 
-viz.show_code(script_checks.Watch._sampler_iter, script_checks.Watch._loader_iter,
+viz.show_code(script_checks.Watch.installed, script_checks.Watch._after_step,
+              script_checks.Watch.finish,
+              script_checks.Watch._sampler_iter, script_checks.Watch._loader_iter,
               script_checks.Watch._close_reading, script_checks.Watch._backward,
               script_checks.Watch._collective, script_checks.Watch._save,
-              inspect.getsource(script_watch._module_prefixed))
+              inspect.getsource(script_watch._module_prefixed),
+              folded="▶ The wrappers: Watch.installed and what it puts in place")
 
 # %% [markdown]
 # Here is a script a learner could have written from a blog post, ported to the CPU — it runs to
@@ -1117,7 +1135,8 @@ claim("and the script itself ran to the end on both ranks",
 # %% [markdown]
 # ## Lab 10
 # Open [lab10_bug_hunt](../labs/lab10_bug_hunt.ipynb): five broken torchrun scripts with five
-# bugs that are not among this lesson's. For each, find the line and work out, from the script's own
+# bugs that are not among this lesson's (the lab numbers them 1 to 5 too: its bug 5 is not the
+# zoo's). For each, find the line and work out, from the script's own
 # lines, the number its question asks for (what the script does) before any option is shown,
 # then name it, fix it, and let the check run your fix under torchrun; the stretch
 # has you write a replicas-in-sync detector, True exactly for bit-identical replicas, with one
@@ -1133,8 +1152,10 @@ claim("and the script itself ran to the end on both ranks",
 #
 # <details><summary>▶ open</summary>
 #
-# What a checksum misses: changes that cancel in its weighted sum (run below), and a change
-# below the float64 sum's rounding (about 1e-16 of the checksum).
+# What a checksum misses: changes that cancel in its weighted sum (run below), a change
+# below the float64 sum's rounding (about 1e-16 of the checksum), and bits that a sum of values
+# cannot tell apart: −0.0 and +0.0 add alike. And one thing it sees that is not there: a NaN is
+# never equal to itself, so replicas holding the same NaN read as different (run below).
 #
 # </details>
 
@@ -1145,6 +1166,18 @@ with viz.folded_output("▶ Its claim — open after your lab passes"):
     collision = bugzoo.checksum_collision()
     claim("the run gives what the folded text above says", collision == (False, []),
           collision=collision)
+    zeros = [torch.nn.Linear(2, 1, bias=False) for _ in range(2)]
+    with torch.no_grad():
+        zeros[0].weight.copy_(torch.tensor([[0.0, 1.0]]))
+        zeros[1].weight.copy_(torch.tensor([[-0.0, 1.0]]))
+    signed = detectors.compare_checksums([detectors.state_checksums(m) for m in zeros])
+    claim("−0.0 against +0.0: other bits, the same checksum", signed == []
+          and not torch.equal(zeros[0].weight.view(torch.int32), zeros[1].weight.view(torch.int32)))
+    with torch.no_grad():
+        zeros[0].weight[0, 0] = float("nan")
+    same_nan = detectors.state_checksums(zeros[0])
+    claim("the same NaN on both: the same bits, checksums that differ",
+          detectors.compare_checksums([same_nan, same_nan]) == ["weight"])
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes**: bug 7's
@@ -1326,14 +1359,15 @@ viz.quiz(quizzes.questions("10"))
 # - `torch/distributed/nn/functional.py` — `all_reduce` and `_AllReduce`: the differentiable
 #   all-reduce, whose `backward` all-reduces `grad_output` with the same op and group.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__` seeds its shuffle with
-#   `seed + epoch`; `set_epoch`.
+#   `seed + epoch`; `set_epoch`; neither warns when the epoch is never set (the class
+#   docstring's `.. warning::` is the only warning).
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` — the comments on
 #   `TORCH_NCCL_ENABLE_TIMING` ("Enable recording start-events … end-events are recorded by
 #   default") and on `enableTiming_` (start CUDA events only with timing, always with
 #   `desyncDebug_`); `FlightRecorder.hpp` — an entry's `start_`/`end_` events and
 #   `time_discovered_started_`.
 # - `torch/optim/optimizer.py` — `register_optimizer_step_post_hook`: a hook run after every
-#   optimizer's `step` (diagnose hashes the weights after the first).
+#   optimizer's `step` (diagnose counts the steps and hashes the weights after the first).
 # - `torch/nn/utils/clip_grad.py` — `clip_grad_norm_`: the total norm of all the gradients
 #   "viewed as a single vector" (`_get_total_norm`), then `_clip_grads_with_norm_` multiplies
 #   each by `max_norm / (total_norm + 1e-6)`, clamped to at most 1.

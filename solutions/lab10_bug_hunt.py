@@ -7,12 +7,16 @@
 # `--out`; each has **one** classic data-parallel bug. A correct script ends with the weights
 # of one process training on the global batch, whatever the number of ranks.
 #
+# Here "bug N" is script N's bug (`lab10.show(N)`), numbered 1 to 5 like lesson 10's zoo but
+# not the same bugs: lab bug 5, for one, is not the zoo's bug 5.
+#
 # For each script, in this order:
 #
 # 1. **Find it yourself.** `lab10.show(n)` prints the script with line numbers. Set `lineN` to
 #    the number of the line where the bug is, and `effectN` to the number that answers the
 #    bug's question about what the script does (each bug's section asks it; work it out from
-#    the script's own lines), then run `lab10.check_line(n, lineN, effectN)`. The check judges
+#    the script's own lines), then run `lab10.check_line(n, lineN, effectN)`. Where a bug lies
+#    in two lines, either one counts as its line. The check judges
 #    your number before the line (a line given with a wrong number is neither confirmed nor
 #    refused), and only a right line shows the options.
 # 2. **Name it.** Set `answerN` to the letter of the option that says what is wrong.
@@ -21,7 +25,9 @@
 #    piece")` edits within a line; three line tools edit whole lines, each found by a piece
 #    that must match exactly one line, with no indentation or line ending to type:
 #    `lab10.delete_line(text, "piece")`, `lab10.insert_line(text, "new line", before="piece")`
-#    and `lab10.move_line(text, "piece", before="piece of another line")`.
+#    and `lab10.move_line(text, "piece", before="piece of another line")`. An inserted or
+#    moved line takes the indentation of its `before` line: before a line inside a loop, it
+#    lands inside that loop.
 #
 # At the end one check runs your five fixes under `torchrun` (all at once: a launch costs
 # seconds) with `--seed 3`, bug 5's on **3** ranks, and compares the weights each saves with a
@@ -45,9 +51,8 @@ from dpcourse.checks import lab10, predict
 # The gradients are averaged by hand after `backward` (no DDP wrapper here).
 #
 # `effect1`: this script seeds three random streams (the data's generator, the sampler's
-# shuffle, `torch.manual_seed`). With the check's `--seed 3` on 2 ranks, the sum of the three
-# seeds rank 1 passes when it builds or seeds them (the sampler's: its `seed=`, as built;
-# `set_epoch` adds the epoch later).
+# shuffle, `torch.manual_seed`). With the check's `--seed 3` on 2 ranks: the sum of the three
+# seeds that rank 1's lines pass, each as its line writes it (a number).
 
 # %%
 broken1 = lab10.script(1)
@@ -108,7 +113,7 @@ fixed1 = broken1.replace("seed=args.seed + rank", "seed=args.seed")
 #
 # This one runs to the end, and its loss falls.
 #
-# `effect2`: on 2 ranks, how many examples rank 1 reads in one epoch (the data set has 48).
+# `effect2`: on 2 ranks, how many examples rank 1 reads in one epoch (a number of examples).
 
 # %%
 broken2 = lab10.script(2)
@@ -206,7 +211,8 @@ fixed3 = lab10.move_line(broken3, "clip_grad_norm_", before="opt.step()")
 # terminal: `timeout 30 torchrun --nproc-per-node=2 bug4_start.py --out /tmp/final.pt` in the
 # folder `lab10.SCRIPT_DIR` (print it to see where), or `python -m dpcourse diagnose` on it.
 #
-# `effect4`: on 2 ranks, how many ranks receive a tensor in the first `dist.broadcast`.
+# `effect4`: on 2 ranks, in the first `dist.broadcast`, how many ranks get their tensor from
+# another rank (a number of ranks; a sender, which keeps its own tensor, does not count).
 
 # %%
 broken4 = lab10.script(4)
@@ -257,7 +263,7 @@ fixed4 = broken4.replace("src=rank", "src=0")
 # This one runs on 3 ranks in the check.
 #
 # `effect5`: on 3 ranks, how many times smaller the gradient `opt.step()` uses is than the
-# gradient of one device's mean loss over the global batch (3 if a third, 1 if the same).
+# gradient of one device's mean loss over the global batch (a factor; the same counts as 1).
 #
 # **Your design decision:** once you know what is wrong, decide where to repair it: more than
 # one repair trains right, and they do not leave the same script behind. Then answer three
@@ -333,8 +339,8 @@ lab10.check_fixes({1: fixed1, 2: fixed2, 3: fixed3, 4: fixed4, 5: fixed5}, timeo
 # %% [markdown]
 # ## Stretch (optional): a detector for replicas that differ
 #
-# A workshop can stop here. Lesson 10's bugs 4 and 5 were silent: the runs ended, the loss
-# even fell, but the replicas did not agree. Write the detector you would call after building
+# A workshop can stop here. The zoo's bugs 4 and 5 in lesson 10 were silent: the runs ended,
+# the loss even fell, but the replicas did not agree. Write the detector you would call after building
 # the model, or every few steps. The contract:
 #
 # - `replicas_in_sync(model)` is called on every rank of a process group, each with its own

@@ -125,6 +125,11 @@ WRONG = {
     "3-clip-removed": (3, [(CLIP, "")], "no longer clipped at all"),
     "3-clip-after-step": (3, [(CLIP, ""), ("        opt.step()\n", "        opt.step()\n" + CLIP)],
                           "clip_grad_norm_ now runs after opt.step\\(\\): the step has already"),
+    # what insert_line(..., before="p.grad /= world_size") makes: the clip takes that line's
+    # indentation and lands inside the per-parameter averaging loop (a learner's try)
+    "3-clip-inside-the-loop": (3, [(CLIP, ""), ("            p.grad /= world_size\n",
+                                               "    " + CLIP + "            p.grad /= world_size\n")],
+                               "clip_grad_norm_ now runs inside the loop that averages"),
     "4-no-broadcast": (4, [(BROADCAST, "")], "the broadcast is gone, and the replicas no "
                                               "longer start from the same weights: .*differ by "
                                               "up to 0.75.* still differ by up to 0.75, "

@@ -200,7 +200,7 @@ class Recorder:
     def run(self, calls: list[Call], invoke: Callable[[], Any]):
         """Log ``calls``, run the ``before`` hooks, ``invoke()`` the real function, run the
         ``after`` hooks; the calls made meanwhile on this thread pass through unrecorded.
-        Shown in lesson 04, §5; lesson 10, §1."""
+        Shown in lesson 04, §5; lesson 10, §2."""
         self.busy.on = True
         try:
             for call in calls:
@@ -293,7 +293,7 @@ def record_collectives(before: Callable[[Call], None] | None = None,
     ``call.args``, the bound arguments, to change what torch receives), ``after(call)`` just
     after it returns (``call.result``; what it returns, if not None, is handed back instead).
     Restored on exit, error or not; blocks nest. Shown in lesson 04, §5; lesson 07, §5;
-    lesson 10, §1.
+    lesson 10, §2.
     """
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol

@@ -162,7 +162,7 @@ class TraceReport:
     order; otherwise ``index`` is the first call where they differ, ``calls`` what each rank did
     there (None: it made no such call), and ``stuck`` the ranks still inside a call.
 
-    Shown in lesson 10, §1.
+    Shown in lesson 10, §2.
     """
 
     ok: bool
@@ -211,7 +211,7 @@ def compare_traces(traces: dict[int, list[dict]]) -> TraceReport:
 class Diagnosis:
     """The outcome of :func:`diagnose`: ``status`` is "ok", "hang" or "failed".
 
-    Shown in lesson 10, §1.
+    Shown in lesson 10, §2.
     """
 
     status: str
@@ -305,7 +305,7 @@ def diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_
     run-time checks of :mod:`dpcourse.script_checks` (``cpu``: NCCL and CUDA calls kept on the
     CPU, for a GPU-only script on a machine without GPUs).
 
-    Shown in lesson 10, §1.
+    Shown in lesson 10, §2.
     """
     import datetime
 
@@ -355,7 +355,7 @@ def diagnose(target: Callable | str, world_size: int = 2, *args: Any, timeout: f
     :mod:`dpcourse.script_checks`' run-time checks, whose findings land in ``findings``;
     ``cpu`` runs a GPU-only script on the CPU (:func:`dpcourse.script_checks.cpu_fallback`).
 
-    Shown in lesson 10, §1.
+    Shown in lesson 10, §2.
     """
     from dpcourse import launch, script_checks
 

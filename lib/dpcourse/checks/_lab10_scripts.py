@@ -118,22 +118,23 @@ ORDER_LINES = {3: ("# average the gradients", "dist.all_reduce(p.grad)", "p.grad
 # confirmed without the fact that makes it the bug. None of these numbers is in a lesson:
 # each is this script's, with the check's values (--seed 3; 2 ranks, bug 5's 3).
 EFFECTS = {
-    1: ("with the check's --seed 3 on 2 ranks, the sum of the three seeds rank 1 uses: the "
-        "data's generator, the sampler's (its seed= as built, before set_epoch) and "
-        "torch.manual_seed's", 1241, 0,
+    1: ("with the check's --seed 3 on 2 ranks, the sum of the three seeds that rank 1's lines "
+        "pass (the data's generator, the sampler's and torch.manual_seed's), each as its line "
+        "writes it", 1241, 0,
         "Read each line that seeds something with args.seed = 3 and rank = 1, and add the "
         "three seeds."),
-    2: ("on 2 ranks, how many examples rank 1 reads in one epoch (the data set has 48)", 48, 0,
+    2: ("on 2 ranks, how many examples rank 1 reads in one epoch (a number of examples)", 48, 0,
         "Follow the examples from the data set to the batches of the loop: which object hands "
         "rank 1 its batches, and from which examples?"),
     3: ("with the section's gradients g₀ = (3, 0) on rank 0 and g₁ = (0, 1) on rank 1, and "
         "max_norm = 1, the first component of the gradient this script's opt.step() uses", 0.5,
         0.01, "Apply the script's lines in their order to (3, 0) and (0, 1): first what each "
               "rank does alone, then the sum and the division."),
-    4: ("on 2 ranks, how many ranks receive a tensor in the first dist.broadcast", 0, 0,
+    4: ("on 2 ranks, in the first dist.broadcast, how many ranks get their tensor from another "
+        "rank (a sender, which keeps its own tensor, does not count)", 0, 0,
         "For each rank, read the src it passes: a rank that names itself as src sends."),
     5: ("on 3 ranks, how many times smaller the gradient opt.step() uses is than the gradient "
-        "of one device's mean loss over the global batch (3 if a third, 1 if the same)", 3,
+        "of one device's mean loss over the global batch (a factor; the same counts as 1)", 3,
         0.01, "Follow one gradient from the loss to opt.step() and count every division by "
               "world_size on the way, and what the all_reduce's sum does."),
 }
@@ -177,7 +178,7 @@ KNOWN_EFFECTS = {
                   "divisions on the way, is not the factor they make together with the "
                   "all_reduce's sum"),
         (1 / 3, 0.01, "1/3 would make the step 3 times larger; the question asks how many "
-                      "times smaller (3 if a third)"),
+                      "times smaller: a factor, not a fraction"),
         (1, 0.01, "1 says the step uses one device's gradient: count every division by "
                   "world_size and every sum between the loss and opt.step()")],
 }

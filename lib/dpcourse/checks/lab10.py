@@ -124,8 +124,10 @@ def check_line(n: int, line, effect) -> None:
                  f"read the line you suspect and work out what it does to the run — "
                  f"{EFFECT[n]} — and try it only if that differs from one device training on "
                  f"the global batch.")
-    passed(f"bug {n} is on line {line} (effect{n} = {effect:g}). Now say what is wrong there: "
-           f"set answer{n} to the option that says it.")
+    other = [str(i) for i in bug_lines(n) if i != line]
+    also = f"; line {' and '.join(other)} is the other half of it, and counts too" if other else ""
+    passed(f"bug {n} is on line {line} (effect{n} = {effect:g}{also}). Now say what is wrong "
+           f"there: set answer{n} to the option that says it.")
     options(n)
 
 
@@ -173,6 +175,23 @@ def _lines_with(text: str, piece: str) -> list[str]:
             ln.strip().startswith("#")]
 
 
+def _clip_in_average_loop(text: str) -> bool:
+    """Whether a ``clip_grad_norm_`` call sits inside a ``for`` loop whose body also all-reduces
+    (the per-parameter averaging loop of script 3), at any depth of that loop's body."""
+    import ast
+
+    def calls(node, name):
+        return any(isinstance(c, ast.Call) and name in ast.unparse(c.func)
+                   for c in ast.walk(node))
+
+    loops = [node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.For)]
+    # the innermost loops that all-reduce: the epoch and batch loops hold the averaging loop
+    averaging = [loop for loop in loops if calls(loop, "all_reduce")
+                 and not any(inner is not loop and calls(inner, "all_reduce")
+                             for inner in ast.walk(loop) if isinstance(inner, ast.For))]
+    return any(calls(loop, "clip_grad_norm_") for loop in averaging)
+
+
 def _read_fix(n: int, text: str) -> None:
     """Mistakes a fix shows in its text, said before any launch — the ones whose weights alone
     cannot tell (a learning rate that makes up for a gradient, clipping that changes nothing)."""
@@ -190,6 +209,12 @@ def _read_fix(n: int, text: str) -> None:
         if clip and step and min(clip) > max(step):
             fail("Fix 3: clip_grad_norm_ now runs after opt.step(): the step has already used "
                  "the gradients, so clipping them afterwards changes no weight.")
+        if _clip_in_average_loop(text):
+            fail("Fix 3: clip_grad_norm_ now runs inside the loop that averages the gradients, "
+                 "once per parameter, on gradients of which some are already summed over the "
+                 "ranks and others are still this rank's own.",
+                 fix="Clip once, after that loop has averaged every gradient: a line inserted "
+                     "or moved before a line of the loop takes that line's indentation.")
     if n == 4:
         for line in _lines_with(text, "dist.broadcast("):
             if re.search(r"src\s*=\s*rank\b", line):
