@@ -336,7 +336,7 @@ print(f"the {len(fwd)} forwards took {fwd_wall:.1f} ms, first start to last end;
 # and what each one times.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(viz.record_dp_step)
+viz.show_code(viz.record_dp_step, folded="▶ code: viz.record_dp_step")
 
 # %% [markdown]
 # ## The real `nn.DataParallel` on this machine
@@ -409,7 +409,8 @@ claim("the real nn.DataParallel behaves as described above for this machine's nu
 # **▶ The counter and the formula it is checked against** (click below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(dp.TrafficCounter, dp.parameter_server_traffic)
+viz.show_code(dp.TrafficCounter, dp.parameter_server_traffic,
+              folded="▶ code: dp.TrafficCounter, dp.parameter_server_traffic")
 
 # %%
 counted = {}
@@ -494,7 +495,8 @@ claim("three steps replicated the model three times", tc.replicate_calls == 3)
 # **▶ How the two are timed** (click below): `dp_costs.time_replicate_vs_forward`.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(dp_costs.time_replicate_vs_forward)
+viz.show_code(dp_costs.time_replicate_vs_forward,
+              folded="▶ code: dp_costs.time_replicate_vs_forward")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -527,7 +529,8 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0 and t["torch_replicate_
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 from dpcourse import train
 
-viz.show_code(train.rate_verdict, train.compare_rates)
+viz.show_code(train.rate_verdict, train.compare_rates,
+              folded="▶ code: train.rate_verdict, train.compare_rates")
 
 # %%
 from dpcourse.train import compare_rates

@@ -437,7 +437,7 @@ viz.show(viz.torchrun_figure(agents, restart_log, killed=killed),
 # **▶ How the agents' log is read** (click the folded cell below): `viz.torchrun_log`.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(viz.torchrun_log)
+viz.show_code(viz.torchrun_log, folded="▶ code: viz.torchrun_log")
 
 # %% [markdown]
 # What the checkpoint holds, and how each rank gets the rest back, is close to lab 04's
@@ -667,7 +667,7 @@ viz.show(viz.sampler_index_map_figure(dealt, n_small),
 # figure colours by.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(viz.sampler_slots)
+viz.show_code(viz.sampler_slots, folded="▶ code: viz.sampler_slots")
 
 # %% [markdown]
 # Rank 0's own number is simply an estimate from a different part of the test set (see the
@@ -828,7 +828,9 @@ module_lines = inspect.getsource(collectives).splitlines()
 first = module_lines.index("RECORDED = {")
 viz.show_code(collectives.record_collectives, collectives.Recorder.wrap, collectives.Recorder.run,
               collectives.CollectiveLog.of,
-              "\n".join(module_lines[first:module_lines.index("}", first) + 1]))
+              "\n".join(module_lines[first:module_lines.index("}", first) + 1]),
+              folded=("▶ code: record_collectives, Recorder.wrap, Recorder.run, "
+                      "CollectiveLog.of, RECORDED"))
 
 # %% [markdown]
 # First the hang: `launch.spawn` keeps a returned rank alive, sockets open, and its `timeout`
@@ -842,7 +844,8 @@ viz.show_code(collectives.record_collectives, collectives.Recorder.wrap, collect
 worker_src = inspect.getsource(launch.worker_entry).splitlines()
 stay = next(i for i, line in enumerate(worker_src) if "result_conn.send_bytes" in line) - 1
 viz.show_code("\n".join(line[4:] for line in worker_src[stay:]),
-              title="launch.spawn's worker, after the function returned (launch.worker_entry)")
+              title="launch.spawn's worker, after the function returned (launch.worker_entry)",
+              folded="▶ code: the end of launch.worker_entry")
 
 
 # %%
@@ -1287,7 +1290,8 @@ viz.show_code(dp.CPUSyncBatchNorm, dp.AllReduceSum)
 # `dp.convert_sync_batchnorm` (also `train_ddp.py --sync-bn`'s) and `dp.SmallBNNet`.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(dp.convert_sync_batchnorm, dp.SmallBNNet)
+viz.show_code(dp.convert_sync_batchnorm, dp.SmallBNNet,
+              folded="▶ code: dp.convert_sync_batchnorm, dp.SmallBNNet")
 
 # %% [markdown]
 # Compare plain BatchNorm and the stand-in against one process on the global batch, for small

@@ -100,7 +100,7 @@ print("mirroring over", len(device_names), profile.tf_device_type, "device(s)")
 # **▶ `devices.split_tf_devices`, the code** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(devices.split_tf_devices)
+viz.show_code(devices.split_tf_devices, folded="▶ code: devices.split_tf_devices")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -188,7 +188,8 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # the strategy's private `extended._cross_device_ops`).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.cross_device_ops_in_use)
+viz.show_code(mirrored.cross_device_ops_in_use,
+              folded="▶ code: mirrored.cross_device_ops_in_use")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -226,7 +227,7 @@ claim(f"by default this strategy ({profile.tf_device_type} profile, {n_physical_
 # **▶ `mirrored.make_strategy`, the code** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.make_strategy)
+viz.show_code(mirrored.make_strategy, folded="▶ code: mirrored.make_strategy")
 
 # %% [markdown]
 # ## 3. Input: tf.data with the global batch
@@ -510,7 +511,8 @@ viz.show_code(mirrored.set_torch_layout_weights)
 # **▶ `mirrored.copy_torch_weights` itself** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.copy_torch_weights)
+viz.show_code(mirrored.copy_torch_weights,
+              folded="▶ code: mirrored.copy_torch_weights")
 
 # %% [markdown]
 # **▶ How this lesson builds a mirrored model and optimizer (lab 05 part 2's answer) — open
@@ -539,7 +541,7 @@ with viz.folded_output("▶ The claim — open after your lab passes"):
 # `SmallCNN`; §6 comes back to two of its lines). **▶ Its code** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.build_keras_cnn)
+viz.show_code(mirrored.build_keras_cnn, folded="▶ code: mirrored.build_keras_cnn")
 
 # %%
 torch.manual_seed(0)
@@ -608,7 +610,8 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # **▶ `mirrored.keras_loss_per_replica`** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.keras_loss_per_replica)
+viz.show_code(mirrored.keras_loss_per_replica,
+              folded="▶ code: mirrored.keras_loss_per_replica")
 
 # %% [markdown]
 # **Seven pairings: per-replica loss × how the gradients are combined** (measured and claimed
@@ -784,7 +787,8 @@ claim("plain SGD's build creates no variable (momentum would add one per weight)
 # **▶ Its code** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.keras_weights_as_torch)
+viz.show_code(mirrored.keras_weights_as_torch,
+              folded="▶ code: mirrored.keras_weights_as_torch")
 
 # %% [markdown]
 # The next cell also counts what carries the reported loss. One reduction takes another road on
@@ -1023,7 +1027,8 @@ print(f"{policy} vs float32 before training: largest logit difference {logit_gap
 # **▶ `save_checkpoint` and `restore_checkpoint`, the code** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(mirrored.save_checkpoint, mirrored.restore_checkpoint)
+viz.show_code(mirrored.save_checkpoint, mirrored.restore_checkpoint,
+              folded="▶ code: mirrored.save_checkpoint, mirrored.restore_checkpoint")
 
 # %%
 import tempfile
@@ -1085,9 +1090,11 @@ import inspect
 
 from dpcourse import launch
 
-viz.show_code(mirrored.run_multiworker, mirrored.kill_worker)
+viz.show_code(mirrored.run_multiworker, mirrored.kill_worker,
+              folded="▶ code: mirrored.run_multiworker, mirrored.kill_worker")
 viz.show_code(inspect.getsource(launch.kill_tree), inspect.getsource(launch.free_port),
-              title="launch.kill_tree and launch.free_port (dpcourse/launch.py)")
+              title="launch.kill_tree and launch.free_port (dpcourse/launch.py)",
+              folded="▶ code: launch.kill_tree, launch.free_port")
 
 # %%
 import os

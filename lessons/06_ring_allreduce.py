@@ -128,7 +128,8 @@ stepper = viz.ring_stepper(trace)
 # multiplies by the item size — the counts this section's claims compare with the formulas).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.RingTrace.elements_sent, ring.RingTrace.bytes_sent)
+viz.show_code(ring.RingTrace.elements_sent, ring.RingTrace.bytes_sent,
+              folded="▶ code: ring.RingTrace.elements_sent, ring.RingTrace.bytes_sent")
 
 # %%
 checked = exact = 0
@@ -242,7 +243,8 @@ for alg in ring.COST_MODELS:
 # exact count checked above; `ring.simulate_rabenseifner`).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.cost, ring.ring_bytes_per_worker, ring.simulate_rabenseifner)
+viz.show_code(ring.cost, ring.ring_bytes_per_worker, ring.simulate_rabenseifner,
+              folded="▶ code: cost, ring_bytes_per_worker, simulate_rabenseifner")
 
 # %% [markdown]
 # Rabenseifner's algorithm, run: four workers, eight numbers each (worker w holds 10w + 0, …,
@@ -388,7 +390,8 @@ t_fastest = np.array([r.all_reduce_min_s for r in table])  # dist.all_reduce, fa
 # `bench.summarize_allreduce`.**
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(bench.measure_allreduce, bench.summarize_allreduce)
+viz.show_code(bench.measure_allreduce, bench.summarize_allreduce,
+              folded="▶ code: bench.measure_allreduce, bench.summarize_allreduce")
 
 # %% [markdown]
 # The fit, its errors, α and β. The model has no term for the additions (Thakur et al. and
@@ -430,7 +433,8 @@ claim("with the contention term, half the measured points are within 50% of the 
 # `ring.AlphaBetaFit`, whose `predict` every error and prediction here uses).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.fit_alpha_beta, ring.fit_alpha_beta_per_n, ring.AlphaBetaFit)
+viz.show_code(ring.fit_alpha_beta, ring.fit_alpha_beta_per_n, ring.AlphaBetaFit,
+              folded="▶ code: fit_alpha_beta, fit_alpha_beta_per_n, AlphaBetaFit")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -535,7 +539,8 @@ claim("arithmetic on ring.cost (one β for every step): with one link speed, 8 �
 # and the searches over N).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ring.cheapest, ring.ring_cheapest_up_to, ring.cheapest_by_n)
+viz.show_code(ring.cheapest, ring.ring_cheapest_up_to, ring.cheapest_by_n,
+              folded="▶ code: ring.cheapest, ring.ring_cheapest_up_to, ring.cheapest_by_n")
 
 # %%
 four = ring.ALGORITHMS  # the naive way, the parameter server, the ring, the binomial tree
@@ -649,7 +654,7 @@ cost_explorer = viz.explorer(
 # **▶ `viz.explorer`: where `drawn_with` comes from** (folded below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(viz.explorer)
+viz.show_code(viz.explorer, folded="▶ code: viz.explorer")
 
 # %%
 drawn = cost_explorer.drawn_with  # the values its static figure above was drawn with
@@ -847,7 +852,8 @@ if world_size == 2:
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(bench.bus_bandwidth, bench.AllreduceRow, bench.format_table, bench.reps_for,
-              bench.quartiles)
+              bench.quartiles,
+              folded="▶ code: bus_bandwidth, AllreduceRow, format_table, reps_for, quartiles")
 
 # %% [markdown]
 # **▶ The table and this run's verdicts, their code** (folded below; its output shows: the

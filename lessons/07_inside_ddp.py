@@ -476,7 +476,8 @@ viz.show_code(experiments.timing_worker, experiments.count_ddp_collectives)
 # times the model takes, and `OverlapConfig`, whose `build` makes every run's model.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(experiments.LocalOnly, experiments.OverlapConfig)
+viz.show_code(experiments.LocalOnly, experiments.OverlapConfig,
+              folded="▶ code: experiments.LocalOnly, experiments.OverlapConfig")
 
 # %% [markdown]
 # **▶ The timed model's source**: `wide_mlp`, the 64-layer MLP
@@ -484,7 +485,7 @@ viz.show_code(experiments.LocalOnly, experiments.OverlapConfig)
 # count and its largest layer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(experiments.wide_mlp)
+viz.show_code(experiments.wide_mlp, folded="▶ code: experiments.wide_mlp")
 
 # %%
 tcfg = experiments.OverlapConfig(model="wide_mlp", width=300, depth=64, global_batch=64,

@@ -117,7 +117,7 @@ viz.show_code(async_sgd.make_problem, async_sgd.make_model, async_sgd.loss_and_g
               async_sgd.batch_schedule, async_sgd.evaluate, async_sgd.set_flat_params,
               async_sgd.flat_params,
               folded=("▶ code: make_problem, make_model, loss_and_gradient, "
-                     "batch_schedule, evaluate, set_flat_params, flat_params"))
+                      "batch_schedule, evaluate, set_flat_params, flat_params"))
 
 # %%
 cfg = parameter_server.PSConfig()
