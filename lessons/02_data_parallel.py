@@ -133,8 +133,9 @@ for b, n in ((6, 4), (2, 3), (batch, n_devices)):
 # %% [markdown]
 # <details><summary>▶ Aside: replicating under <code>torch.no_grad()</code></summary>
 #
-# There torch's `DataParallel.replicate` asks for detached copies instead, leaves with no
-# link back (`not torch.is_grad_enabled()`; *not run here*, Sources).
+# Under `torch.no_grad()`, torch's `DataParallel.replicate` asks for detached copies instead:
+# leaves with no link back to the original parameters (`not torch.is_grad_enabled()`; *not run
+# here*, Sources).
 #
 # </details>
 

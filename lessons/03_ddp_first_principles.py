@@ -602,8 +602,8 @@ with viz.folded_output("▶ What each bucket holds — open after lab 07 part 1 
 #
 # **▶ Going further (lesson 07's ground): the hazard one bucket guards against, and two
 # constructor flags, `static_graph` and `find_unused_parameters`, that change the first
-# iterations** — folded below, the text and four runs with their claims. The rest of this
-# lesson does not need them.
+# iterations** — folded below, the text and the cells behind it, with their claims. The rest
+# of this lesson does not need them.
 
 # %% [markdown]
 # <details><summary>▶ open: the one bucket's hazard, and the two flags</summary>
@@ -615,7 +615,7 @@ with viz.folded_output("▶ What each bucket holds — open after lab 07 part 1 
 # *different* collective on another rank — a hang or garbage. Hence a size limit of
 # `sys.maxsize`: one all-reduce, after every gradient of the graph is computed.
 #
-# Two of DDP's constructor flags bear on this, and the next cells run each:
+# Two of DDP's constructor flags bear on this, and the cells below check each:
 #
 # - `find_unused_parameters=True` says that some parameters may get no gradient in an
 #   iteration; DDP then looks for them from the forward's outputs, every iteration.
@@ -773,6 +773,9 @@ claim("static_graph=True, unused head: in every iteration the bucket holding unu
 first_limit, limit = ddp.bucket_limits(cap_mb)   # shown above: DDP's _BucketCapacityConfig
 claim(f"bucket_cap_mb={cap_mb} is in MiB: DDP's limit is int({cap_mb} * 1024 * 1024) = "
       f"{limit} bytes, for the first bucket too", first_limit == limit == int(cap_mb * 2**20))
+claim(f"classifier.1.weight alone is {tensor_kib['classifier.1.weight']:.0f} KiB, "
+      f"{tensor_kib['classifier.1.weight'] * 1024 / limit:.1f}x the cap",
+      tensor_kib["classifier.1.weight"] * 1024 > 5 * limit)
 largest = max(nbytes for _, nbytes, *_ in second["buckets"])
 claim(f"a rebuilt bucket here is {largest / limit:.1f}x its cap (more than 5x)",
       largest > 5 * limit)

@@ -276,9 +276,9 @@ viz.show_code(mirrored.make_dataset)
 # An in-memory cache outlives its iterators, so each round builds both pipelines anew. A fresh
 # pipeline's first epoch may also pay one-time costs: the pipeline that decodes every time does
 # the same work in both epochs, so its first minus its second shows how much — which a
-# two-epoch total would mix in. After an untimed warm-up of each kind (tracing the `map`: TF
-# runs its Python function once to record it as a graph, §4,
-# loading the decoder), three rounds, the two kinds taking turns to go first; a gain is called
+# two-epoch total would mix in. After an untimed warm-up of each kind (tracing the `map` — TF
+# runs its Python function once to record it as a graph, §4 — and loading the decoder), three
+# rounds, the two kinds taking turns to go first; a gain is called
 # only when every round's second epoch shows one (5 % or more).
 
 # %% [markdown]
@@ -908,7 +908,7 @@ for policy_name in ("mixed_float16", "mixed_bfloat16"):
         claim("with mixed_bfloat16, compile left it alone", probe.optimizer is given)
 
 # %% [markdown]
-# A custom loop never calls `compile`, so there you wrap the optimizer yourself — and that is
+# A custom loop need not call `compile`, so there you wrap the optimizer yourself — and that is
 # only half of loss scaling. `LossScaleOptimizer.apply` **divides** every gradient by its
 # dynamic scale (2¹⁵ at the start); the loss must be **multiplied** by the same scale inside the
 # tape, with `optimizer.scale_loss(loss)`, as Keras' own train step does. A loop that only wraps

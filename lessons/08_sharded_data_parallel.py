@@ -4,10 +4,10 @@
 # **Prerequisites:** lesson 03 (averaging gradients with all-reduce), lesson 06 (an all-reduce
 # is a reduce-scatter followed by an all-gather) and lesson 07 (hooks during the backward).
 # New here, each explained in the section that teaches it (section 3's one launch runs every
-# variant, FSDP2 included, and points ahead to them): mixed precision with an fp32 master copy
-# of the weights, Adam's two states per parameter, a hook on a tensor's gradient
-# (`Tensor.register_hook`), freeing a tensor's memory by resizing its storage, and FSDP2's
-# sharded parameters: a DTensor, its device mesh and its placements.
+# variant, FSDP2 included, and points ahead to the sections that teach them): mixed precision
+# with an fp32 master copy of the weights, Adam's two states per parameter, a hook on a
+# tensor's gradient (`Tensor.register_hook`), freeing a tensor's memory by resizing its
+# storage, and FSDP2's sharded parameters: a DTensor, its device mesh and its placements.
 #
 # **You will be able to:**
 # - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per

@@ -584,8 +584,8 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 # %% [markdown]
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
 # rank, compared across ranks with no tolerance: replicas kept in sync are bit-identical (lesson
-# 03), so their checksums agree to the last bit when every rank sums the same way. The converse
-# does not hold: equal checksums are strong evidence, not proof, of equal bits (what a checksum
+# 03), so their checksums agree to the last bit when every rank sums the same way (with one
+# exception, folded after the lab pointer). The converse does not hold: equal checksums are strong evidence, not proof, of equal bits (what a checksum
 # cannot see is folded after the lab pointer). Weighted by position, so
 # two tensors with the same sum but values in other places still differ. It is summed on the
 # tensor's own device, a chunk of elements at a time, so a GPU model needs no copy to the CPU.
@@ -719,16 +719,16 @@ viz.show(viz.replica_checksums_figure({
 # `SyncBatchNorm.forward`). When it syncs (in training mode, with an initialised process
 # group) it accepts only CUDA, HPU, XPU or a PrivateUse1 device and raises for CPU input.
 #
+# **How `running_var` moves:** by `momentum` (0.1 by default; 1 in the comparison below, which
+# makes it the batch's) toward each batch's *unbiased* variance.
+#
 # **The fix here, on CPU, averages the running statistics after each step**: the ranks then
 # agree and the detector goes quiet, but that is not what one process with the global batch
 # would hold (run below). The ranks' running means average to the global mean (equal
-# batches); not so the variances. For N ranks of n samples the global batch's variance is (the
-# mean of the ranks' biased variances + the variance of their means) · Nn/(Nn − 1): the plain
-# average misses the means' spread and divides by n − 1, not Nn − 1, so it can land above the
-# global value or below.
-#
-# **How `running_var` moves:** by `momentum` (0.1 by default; 1 in the comparison below, which
-# makes it the batch's) toward each batch's *unbiased* variance.
+# batches); not so the variances. For N ranks of n samples the global batch's unbiased variance
+# is (the mean of the ranks' biased variances + the variance of their means) · Nn/(Nn − 1): the
+# plain average of the ranks' unbiased variances misses the means' spread and divides by n − 1,
+# not Nn − 1, so it can land above the global value or below.
 #
 # **DDP's buffer sync.** DDP's `forward_sync_buffers=True` (the default; it replaces
 # `broadcast_buffers`, deprecated since 2.13) copies rank 0's buffers to every rank at the
@@ -1008,7 +1008,7 @@ claim("naming rank 1, its all_reduce and the script's line 9",
 
 # %% [markdown]
 # Most bugs do not hang. So inside each rank `diagnose` also watches what the script does
-# (`dpcourse.script_checks`: wrappers around a few torch calls, put back after the run; your
+# (`dpcourse.script_watch`: wrappers around a few torch calls, put back after the run; your
 # file is never edited): every DistributedSampler and DataLoader read, `torch.save`, barrier,
 # printed or logged loss, metrics writer (TensorBoard, wandb) started, `all_reduce` and its
 # line, the first optimizer step, and whether the group was destroyed. After the run it
@@ -1068,7 +1068,7 @@ claim("a heuristic on text: 'epoch 1 loss 0.512' and 'train loss=0.3' count as a
 # %% [markdown]
 # **▶ The wrappers behind these rules** (folded below): `Watch.installed` puts them in place
 # and registers an optimizer-step post-hook, `_after_step`, whose count of steps `finish`
-# writes as `steps` (what the barrier rule divides by); `Watch._sampler_iter` notes each
+# writes as `steps` (what the barrier rule compares rank 0's barrier count with); `Watch._sampler_iter` notes each
 # sampler read (its epoch, shuffle, seed, data set, whether gradients are on, and which loader
 # read it), `_loader_iter` and `_backward` count the backward calls during each loader read
 # (`analyze` counts a read as training when there was one); `Watch._collective` notes a

@@ -764,7 +764,7 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
 # (p − 1)/m with p = K stages and m = M micro-batches; section 5 uses both.)
 #
 # **▶ How the M micro-batches' gradients become the whole batch's — open after lab 11's
-# part 6 passes** (the optional stretch needs it: doing it, open after it).
+# part 6 passes** (the optional stretch asks for this: if you do the stretch, open it after).
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -824,7 +824,7 @@ viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
 
 # %% [markdown]
 # **▶ One stage's loop, its launcher and the measured bubble — open after lab 11's part 6
-# passes** (the optional stretch's answer: doing it, open after it).
+# passes** (it holds the optional stretch's answer: if you do the stretch, open it after).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,

@@ -7,8 +7,8 @@
 # `--out`; each has **one** classic data-parallel bug. A correct script ends with the weights
 # of one process training on the global batch, whatever the number of ranks.
 #
-# Here "bug N" is script N's bug (`lab10.show(N)`), numbered 1 to 5 like lesson 10's zoo but
-# not the same bugs: lab bug 5, for one, is not the zoo's bug 5.
+# Here "bug N" is script N's bug (`lab10.show(N)`), numbered from 1 as the zoo's are in lesson
+# 10, but not the same bugs: lab bug 5, for one, is not the zoo's bug 5.
 #
 # For each script, in this order:
 #
