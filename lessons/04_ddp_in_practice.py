@@ -1650,9 +1650,10 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   hangs the others), and combine the ranks so that the result equals one process exactly
 #   (how: lab 04, then the folded `evaluate`). Rank 0's number, a mean of means and
 #   `DistributedSampler`'s padding each give another one.
-# * A rank with fewer batches hangs the others in their next all-reduce (or meets it with
-#   a collective of its own, a mismatch); `Join([model])` keeps
-#   it answering until all are done, then makes the modules equal (not the optimizer states).
+# * A rank with fewer batches hangs the others in their next all-reduce (or, if it calls a
+#   collective of its own, pairs with it: a crash, or two unrelated tensors summed);
+#   `Join([model])` keeps it answering until all are done, then makes the modules equal (not
+#   the optimizer states).
 # * DDP averages: at a fixed per-rank batch the global batch grows with N (linear scaling rule:
 #   lr × k for a k× batch, with warm-up). Summed gradients equal averaged ones at lr × N for SGD
 #   (with or without momentum; bit for bit when N is a power of two), not with weight decay,

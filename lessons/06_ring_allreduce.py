@@ -667,8 +667,9 @@ claim("the explorer's figure is drawn with the α and β fitted and printed in �
 #
 # A ring's messages are *point-to-point*: one rank to one other, not a collective every rank
 # joins. `torch.distributed` has two kinds. Blocking: `dist.send(tensor, dst)` returns once the
-# message has gone (it is `isend` followed by `wait()`), and `dist.recv(buffer, src)` returns
-# once it has arrived. `recv` allocates nothing: it fills the tensor you pass, so you allocate
+# message has gone (it is `isend` followed by `wait()`; on gloo that can mean waiting until the
+# receiver has posted its `recv`, Sources), and `dist.recv(buffer, src)` returns once it has
+# arrived. `recv` allocates nothing: it fills the tensor you pass, so you allocate
 # one of the sender's size and dtype first. Non-blocking: `dist.isend` and `dist.irecv` return
 # at once with a *work* object; its `wait()` returns when the message has gone or arrived, and
 # only then may you change the sent tensor or read the received one. Two ranks, one blocking
@@ -856,8 +857,9 @@ viz.show_code(bench.bus_bandwidth, bench.AllreduceRow, bench.format_table, bench
               folded="▶ code: bus_bandwidth, AllreduceRow, format_table, reps_for, quartiles")
 
 # %% [markdown]
-# **▶ The table and this run's verdicts, their code** (folded below; its output shows: the
-# table, then each size's verdict and the 1 KiB times, computed from this run's numbers).
+# **▶ The table and this run's verdicts, their code** (folded below; its output shows the
+# table, then what this run's numbers show: whether ours was faster, each size's verdict, and,
+# where the fit ran more ranks than cores, the 1 KiB times).
 
 # %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
