@@ -141,7 +141,7 @@ for kind in ("after_backward", "per_parameter"):
 #
 # | flags | buckets at construction | rebuilt? |
 # |---|---|---|
-# | default (`find_unused_parameters=False`) | **one** (of one dtype; several: lab 07, part 1) | once, at the second forward (`_pre_forward` calls `reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
+# | default (`find_unused_parameters=False`) | **one** with parameters of one dtype (several dtypes: lab 07, part 1) | once, at the second forward (`_pre_forward` calls `reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
 # | `find_unused_parameters=True` | by the caps over *registration* order, then the list reversed (`_ddp_init_helper`) | never: a 1 MiB first bucket holds the first-defined layers and is reduced last |
 # | both flags `True` | one, as the default | once (`should_rebuild_buckets`) |
 #
@@ -1490,9 +1490,9 @@ viz.quiz(quizzes.questions("07"))
 #
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`: the first bucket is
 #   `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) only when `bucket_cap_mb` is left at its
-#   default; `_BucketCapacityConfig.compute_bucket_size_limits`: no cap (`sys.maxsize`) before the first
-#   rebuild unless `find_unused_parameters` (then `[first_bucket_bytes_cap, bucket_bytes_cap]`
-#   over registration order); `DistributedDataParallel._ddp_init_helper`: buckets from the
+#   default; `_BucketCapacityConfig.compute_bucket_size_limits`: no cap (`sys.maxsize`) before
+#   the first rebuild unless `find_unused_parameters` without `static_graph` (then
+#   `[first_bucket_bytes_cap, bucket_bytes_cap]` over registration order); `DistributedDataParallel._ddp_init_helper`: buckets from the
 #   reducer's assignment function (named in the folded sources at the end), then the list reversed (so the 1 MiB bucket
 #   holds the first-defined parameters); `DistributedDataParallel.__init__`:
 #   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`; the class docstring
