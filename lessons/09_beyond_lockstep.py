@@ -364,7 +364,7 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # Downpour SGD (Dean et al., 2012) trained with many stale replicas; the analyses since say
 # that a stale gradient is safe only with a step small enough for its delay, and the
 # staleness-aware step of Zhang et al. (2016) divides the step by the staleness: lr/s for a
-# gradient s updates stale. The other classic answer bounds the delay instead of shrinking the
+# gradient s ≥ 1 updates stale (what a fresh one gets is lab 09's question). The other classic answer bounds the delay instead of shrinking the
 # step: Stale Synchronous Parallel (Ho et al., NIPS 2013), called *bounded delay* by Li et al.
 # (OSDI 2014). Each worker counts its own iterations — SSP calls that count the worker's
 # *clock* — and a worker whose clock is more than s ahead of the slowest worker's must *wait*
@@ -533,7 +533,7 @@ viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer,
 
 # %% [markdown]
 # Stretch or not, read on: the largest step again, now with the library's staleness-aware
-# server (lr/s for a gradient s updates stale, §2; folded above), for every τ ≥ 2 and seed:
+# server (lr/s for a gradient s ≥ 1 updates stale, §2; folded above), for every τ ≥ 2 and seed:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -566,8 +566,8 @@ claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in eve
 # In this simulator every gradient is delayed by the same τ, so after the first τ updates the
 # staleness no longer changes, and neither does the aware server's step: from there on it
 # steps as the unaware server would at one fixed smaller lr, lr/τ, on the same stale
-# gradients. The folded cell below checks it, then runs seed 0 again: the aware server
-# against the *unaware* one at lr/τ, on the same stale gradients.
+# gradients. The folded cell below checks it, then runs the *unaware* server at lr/τ on seed 0
+# and sets it against the aware server's run above, on the same stale gradients.
 #
 # If the two end together, the runs above show that a smaller step rescues the large step,
 # which the lr 0.1 row already showed, not what awareness adds. Zhang et al. built the rule
