@@ -121,8 +121,10 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # ## The four collectives
 # A **collective** is an operation that *every* rank of the group calls, in the same order as the
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
-# once the result is in the tensor. With nccl it hands the work to the GPU and returns without
-# waiting for it to run; with the default `async_op=False` torch has the backend order later
+# once the result is in the tensor. With nccl, once the group's NCCL communicator exists, it
+# hands the work to the GPU and returns without waiting for it to run (the first collective
+# blocks while NCCL forms it, unless `init_process_group` got a `device_id`; lesson 10
+# shows where that matters); with the default `async_op=False` torch has the backend order later
 # GPU work after it, with `async_op=True` you get a handle whose `wait()` does that.
 #
 # | collective | every rank gives | every rank gets |
@@ -1217,6 +1219,10 @@ viz.quiz(quizzes.questions("03"))
 #   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or
 #   `WorkNCCL::synchronize()`, both achieves the same functionality"; `synchronize`: "Let
 #   current stream wait on the completion of the NCCL work").
+# - `torch/distributed/distributed_c10d.py` — `init_process_group`'s docstring for `device_id`:
+#   under NCCL "the communicator is immediately formed ... rather than the normal lazy call";
+#   `torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp` — `NCCLComm::waitReady` ("Wait
+#   for the communicator to be ready. This is a blocking function").
 # - `torch/distributed/distributed_c10d.py` — `all_reduce` (and the other collectives): `opts.asyncOp
 #   = async_op`; with `async_op=True` the `Work` is returned, otherwise `work.wait()` when the
 #   backend returned one, and none is needed when it did not ("the backend has sync'ed at CPP
