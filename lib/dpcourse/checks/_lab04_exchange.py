@@ -97,9 +97,43 @@ class WhereTensorsLive(TorchFunctionMode):
         elif kwargs.get("device") is not None:
             mark(out, self._names_the_device(kwargs["device"]))
         else:
-            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            mark(out, any(on_device(t) for t in inputs))
+            mark(out, any(on_device(t) for t in _tensors_in(args, kwargs)))
         return out
+
+
+# Arguments that are tensors or hold none, the types torch's own functions are mostly called
+# with (an image's index, a dtype, a shape, a list of tensors to stack ...): _tensors_in reads
+# them without torch's pytree, which cost about half of an evaluation's time inside the mode
+# (every image the DataLoader indexes passes through it).
+_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_NO_TENSORS = frozenset((type(None), bool, int, float, complex, str, slice, type(Ellipsis),
+                         torch.dtype, torch.device, torch.layout, torch.memory_format,
+                         torch.Size))
+
+
+def _plain_tensors(values, found: list) -> bool:
+    """Append the tensors of ``values`` to ``found``, looking inside plain lists and tuples;
+    False at the first value of any other type (pytree may flatten it)."""
+    for v in values:
+        kind = type(v)
+        if kind in _TENSOR_TYPES:
+            found.append(v)
+        elif kind is tuple or kind is list:
+            if not _plain_tensors(v, found):
+                return False
+        elif kind not in _NO_TENSORS:
+            return False
+    return True
+
+
+def _tensors_in(args, kwargs) -> list:
+    """The tensors among ``tree_leaves((args, kwargs))``: read directly where the arguments are
+    tensors, values of ``_NO_TENSORS`` and plain lists and tuples of them (the same tensors);
+    else flattened by pytree."""
+    found: list = []
+    if _plain_tensors(args, found) and _plain_tensors(kwargs.values(), found):
+        return found
+    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def count_numbers(value) -> int:
