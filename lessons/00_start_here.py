@@ -93,8 +93,9 @@ except LabCheckError as err:
 #
 # From lesson 03 on, one training program runs as several cooperating processes, called
 # *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
-# the tensors between them, **gloo** (made for CPU tensors; it takes GPU tensors too, but
-# copies them through the CPU's memory: lesson 03) or **NCCL** (NVIDIA's, GPU tensors only).
+# the tensors between them, **gloo** (made for CPU tensors; it takes GPU tensors too in most
+# collectives, usually copying them through the CPU's memory: lesson 03) or **NCCL** (NVIDIA's,
+# GPU tensors only).
 # Which backend the ranks use, and on which devices, depends on the machine. The lessons never ask
 # you to edit a cell to match your hardware. `dpcourse.devices` looks at the machine and picks
 # one of three profiles:
@@ -517,8 +518,8 @@ viz.quiz(quizzes.questions("00"))
 # - `torch/distributed/distributed_c10d.py` — `Backend.default_device_backend_map` (`"cpu":
 #   gloo`, `"cuda": nccl`) and `Backend.backend_capability` (gloo: cpu and cuda; nccl: cuda
 #   only). Both list device types, not collectives: which collectives gloo runs on GPU tensors,
-#   and how it moves them through the CPU's memory, is lesson 03's (a claim there, and its
-#   Sources).
+#   and when it moves them through the CPU's memory (without GPUDirect), is lesson 03's (a
+#   claim there, and its Sources).
 # - `torch/distributed/distributed_c10d.py` — `_create_nccl_process_group` first raises
 #   `RuntimeError("Distributed package doesn't have NCCL built in")` when
 #   `is_nccl_available()` is false (a torch built without NCCL, such as the CPU-only wheel),
@@ -531,7 +532,11 @@ viz.quiz(quizzes.questions("00"))
 #   file, e.g. in `_get_process_group_uid`; the aside's third run calls it): the backend
 #   serving one device type in a group.
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
-#   module so it can be pickled and spawned", which a function in a notebook cell is not; hence
+#   module so it can be pickled and spawned": pickled by name, as a notebook cell's function is
+#   (`__main__.hello`), it is looked up in the child's `__main__`, which is not the notebook (it
+#   has no file the child could re-import: Python's own `multiprocessing/spawn.py`,
+#   `get_preparation_data`, passes `init_main_from_path` only when `__main__` has a
+#   `__file__`); hence
 #   `dpcourse.launch.spawn` ships it with cloudpickle (`lib/dpcourse/launch.py`: `spawn`'s
 #   `cloudpickle.dumps`, `worker_entry`'s `cloudpickle.loads(payload)` in each rank, both found
 #   by a claim above; its processes start by `forkserver`; the claim before them shows pickle by

@@ -196,6 +196,8 @@ from torch.nn import functional as F
 
 from dpcourse import models
 
+viz.show_code(models.SmallCNN, folded="▶ code: models.SmallCNN, this lesson's model (lesson 01's)")
+
 
 def flat_grad(model, X, y):
     model.zero_grad()
@@ -284,6 +286,11 @@ zero, nan = torch.tensor([0.0]), torch.tensor([float("nan")])
 claim("torch.equal holds -0.0 equal to 0.0 and a NaN unequal to itself; same_bits the reverse",
       torch.equal(-zero, zero) and not torch.equal(nan, nan)
       and not same_bits(-zero, zero) and same_bits(nan, nan.clone()))
+
+# %% [markdown]
+# The headline: DDP on the ranks against one process on the whole global batch.
+
+# %%
 cfg = ddp.StepConfig(global_batch=global_batch, steps=steps, lr=lr, width=width, seed=seed)
 per_rank_batch = cfg.per_rank_batch(world_size)
 wrapped = launch.spawn(ddp.ddp_worker, world_size, cfg, backend=backend, timeout=120)
@@ -365,8 +372,9 @@ claim(f"{world_size} ranks: weights after {steps} steps == one process to 1e-5, 
 # though, the weights after the last step are identical to the last bit: every rank receives
 # the very same all-reduced numbers and applies the same update. Nobody sends weights after the
 # start — equal gradients keep them equal. That holds for any number of ranks on two
-# conditions: the all-reduce hands every rank the same bytes (each piece of the sum computed
-# once and copied to the others, as gloo's does here), and every rank runs the same optimizer
+# conditions: the all-reduce hands every rank the same bytes (say, each piece of the sum
+# computed once and copied to the others; that gloo's does hand out equal bytes shows here in
+# its result, not in its code, which is not installed), and every rank runs the same optimizer
 # kernels on the same kind of device. It
 # does not make N ranks bit-for-bit equal to one process: on 3 ranks too, that agreement is to
 # a tolerance. The next cell checks both on 3 ranks (gloo, on the CPU, whatever this machine's
@@ -393,7 +401,8 @@ claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for 
 # %% [markdown]
 # Against DDP, the hand-averaged gradients agree bit for bit on 2 ranks but not on 3: DDP orders
 # its arithmetic differently from the library's `average_gradients` — how, and in which two
-# ways, "The reducer's arithmetic" says and measures, for after your lab passes.
+# ways, "The reducer's arithmetic" (the reducer: DDP's C++ object that buckets and all-reduces
+# the gradients, next section) says and measures, for after your lab passes.
 #
 # **A question to try:** suppose each rank stepped with its own gradients and the ranks then
 # averaged their *weights*. Would that give the same weights as averaging the gradients, with
@@ -594,12 +603,15 @@ with viz.folded_output("▶ What each bucket holds — open after lab 07 part 1 
           + ", ".join(f"{n} ({tensor_kib[n]:.2f} KiB)" for n in second["buckets"][0][0]))
 
 # %% [markdown]
-# Why one bucket first? Not because of a size limit: the model is seven times the cap. In its
-# constructor DDP does not yet know in which order the backward will produce the gradients;
-# registration order is only a guess. During the first iteration the reducer records the order
-# in which the gradients really became ready, and before the second forward it **rebuilds the
-# buckets** in that order, once and for all (`_pre_forward` calls the reducer's
-# `_rebuild_buckets`). The ranks cannot disagree about the buckets (the reducer launches them
+# Why one bucket first? Not because of a size limit: the model is seven times the cap. With
+# the default flags, as here, the reducer records the order in which the gradients really
+# became ready during the first iteration (registration order is only a guess), and before
+# the second forward it **rebuilds the buckets** in that order, once and for all
+# (`_pre_forward` calls the reducer's `_rebuild_buckets`); until then, one bucket is the safe
+# choice (the hazard is folded below).
+# With `find_unused_parameters=True` and no `static_graph`, the reducer never rebuilds
+# (`should_rebuild_buckets`): one bucket would then be for good, so DDP buckets by size from
+# the start. The ranks cannot disagree about the buckets (the reducer launches them
 # strictly in index order, and the rebuilt assignment is broadcast from rank 0 to the others).
 #
 # **▶ Going further (lesson 07's ground): the hazard one bucket guards against, and two
@@ -787,9 +799,10 @@ claim(f"a rebuilt bucket here is {largest / limit:.1f}x its cap (more than 5x)",
 # Here are iterations 0 and 2 on rank 0, drawn from the time stamps the hooks recorded
 # (`viz.bucket_timelines_figure` only draws them). Each tick on a "gradients computed" row is a
 # gradient being computed (ticks a fraction of a millisecond apart merge into one); each bar is
-# one bucket's all-reduce, from launch to finish, labelled with its size and tensors (`c.` =
-# `classifier.`, `f.` = `features.`, `.w`/`.b` = weight/bias). The axis ends when the slower
-# backward returned.
+# one bucket, from DDP's call to the hook to the all-reduce's completion callback: a latency,
+# any wait before the transfer included, so bars can overlap. Labels give its size and
+# tensors (`c.` = `classifier.`, `f.` = `features.`, `.w`/`.b` = weight/bias). The axis ends
+# when the slower backward returned.
 
 # %%
 claim("iteration 0: its one bucket was launched only after the last gradient was computed",
@@ -800,16 +813,26 @@ viz.show(viz.bucket_timelines_figure({
     f"iteration 0: one bucket (rank 0, bucket_cap_mb={cap_mb} MiB)": first,
     "iteration 2: the rebuilt buckets": third}),
     "in iteration 0 the single bucket waits for the last gradient: nothing overlaps. In "
-    "iteration 2 the first bucket (the classifier) is on the wire while the convolutions' "
-    "gradients are still being computed; backward() returns only when the last bucket is done.")
+    "iteration 2 the first bucket (the classifier) is in flight while the convolutions' "
+    "gradients are still being computed; backward() returns only when the last bucket is done. "
+    "A bar is a latency, not a transfer time: during the backward a bucket shares the cores "
+    "with it (the next cell compares the rates).")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: the times depend on this machine and its load.
-busy = sum(e - s for *_, s, e in third["buckets"])
-print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; its buckets were on "
-      f"the wire for {busy:.1f} ms in all, {third['buckets'][0][2]:.1f} ms after backward() "
-      f"began for the first one.")
+in_flight = reach = 0.0                        # the union of the bars: they can overlap
+for *_, s, e in third["buckets"]:              # sorted by launch time
+    in_flight, reach = in_flight + max(0.0, e - max(s, reach)), max(reach, e)
+print(f"iteration 2 on rank 0: backward took {third['backward_end']:.1f} ms; the first bucket "
+      f"went out {third['buckets'][0][2]:.1f} ms after it began; some bucket was in flight "
+      f"during {in_flight:.1f} ms (the union of the bars, not the sum of their lengths).")
+ms_per_mib = lambda bs: sum(e - s for *_, s, e in bs) / sum(b for _, b, *_ in bs) * 2**20
+during = [b for b in third["buckets"] if b[2] < max(t for _, t in third["grads"])]
+r0, r2 = ms_per_mib(first["buckets"]), ms_per_mib(during)
+print(f"hook to callback, ms per MiB: {r0:.1f} for iteration 0's bucket, {r2:.1f} for iteration "
+      f"2's buckets launched during the backward: "
+      + ("slower while they share the cores with it." if r2 > r0 else "not slower in this run."))
 last_grad = {k: max(t for _, t in it["grads"]) for k, it in (("0", first), ("2", third))}
 print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in iteration 0, "
       f"{last_grad['2']:.1f} ms in iteration 2 (compute alone, before any overlap could help).")
@@ -931,7 +954,7 @@ claim("SyncBatchNorm's forward only all-gathers (no all_reduce); its backward on
 # | processes | 1 (threads, one GIL) | 1 per device |
 # | weights sent | every step, from device 0 | once, at the start (buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
 # | gradients | summed onto device 0 | all-reduced, averaged on every rank |
-# | per-step traffic at the busiest device, numbers sent + received (K: the number of gradient values, as lesson 02 counted them; times 4 for bytes in float32) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way) |
+# | per-step traffic at the busiest device, numbers sent + received (K: the number of gradient values, as lesson 02 counted them; times 4 for bytes in float32) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way; lesson 06 derives it) |
 # | overlap with backward | no | yes (buckets) |
 # | multi-machine | no | yes |
 #

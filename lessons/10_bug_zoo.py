@@ -78,8 +78,9 @@ claim("run plainly, bug 1 only times out, naming the rank that never finished, n
 # knows where a rank stopped (section 2), but it lives in the process's memory: NCCL writes it
 # to a file on a timeout; otherwise it reaches a file only when asked, by the experimental
 # `torch.distributed.debug.start_debug_server(dump_dir=...)` (it needs Jinja2 and aiohttp):
-# rank 0 then fetches every rank's Python stacks and CPU-side recorder (gloo's) and writes
-# them to disk every `dump_interval`, 60 s by default.
+# rank 0 then fetches every rank's Python stacks and recorder (the CPU-side one, gloo's, and,
+# where NCCL runs, NCCL's still-active entries) and writes them to disk every `dump_interval`,
+# 60 s by default.
 #
 # What the course adds, in
 # `dpcourse.detectors`, is **the collective trace**: on every rank, each `dist.<collective>`
@@ -329,7 +330,9 @@ claim("and it names the two operations", ops == ["ALLREDUCE", "BROADCAST"])
 # collectives (`TORCH_FR_BUFFER_SIZE` changes the size, 0 turns it off) in a ring buffer,
 # which `_dump_fr_trace` returns (a private API: `torchfrtrace` reads the files NCCL dumps).
 # Below, nothing is set in the environment. Each entry has a `state` and a `retired` flag
-# (set when its work finishes, a moment after the call returns), and the dump a `pg_status`:
+# (set when the backend drops the work from its pending list: on gloo, as run here, when the
+# work finishes, a moment after the call returns; on NCCL, "a retired but not completed event
+# has timed out", says the recorder's header), and the dump a `pg_status`:
 # the last collective enqueued and the last completed. After the fixed bug 2's two calls,
 # rank 0 reads its recorder while it waits alone in a third all-reduce. On gloo the states
 # stay "scheduled", but "retired" tells you where a rank stopped. (On NCCL, the watchdog marks
@@ -558,8 +561,8 @@ claim("rank 1 left the loop and its program ended; rank 0, waiting in the next a
 # ## 3. Bugs that finish — with the wrong answer
 # These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
 # detector that compares the ranks. All seven (bugs 4 to 10) run, broken and fixed, in **one**
-# launch (`bugzoo.zoo_worker`), bug 9 twice (whole, and its first step alone); each returns
-# what its detector needs. They share one small model and
+# launch (`bugzoo.zoo_worker`), with extra runs for bugs 6 and 9 (the launch's cell names every
+# run); each returns what its detector needs. They share one small model and
 # each rank's own batches (different per rank, the same on every run):
 
 # %%
@@ -576,8 +579,9 @@ viz.show_code(bugzoo.zoo_worker, folded="▶ zoo_worker, the one launch")
 workdir = Path(tempfile.mkdtemp(prefix="bugzoo-"))
 zoo = launch.spawn(bugzoo.zoo_worker, world_size, str(workdir), backend="gloo", timeout=60)
 pairs = [k for k, v in zoo[0].items() if isinstance(v, dict) and set(v) == {False, True}]
-print(f"ran {len(pairs)} programs × (broken, fixed), and {len(zoo[0]) - len(pairs)} single "
-      f"runs, on {len(zoo)} ranks")
+singles = [k for k in zoo[0] if k not in pairs]
+print(f"ran {len(pairs)} programs × (broken, fixed): {', '.join(pairs)}; and {len(singles)} "
+      f"single runs: {', '.join(singles)}; on {len(zoo)} ranks")
 claim("one program per bug 4 to 10, and bug 9's first step alone",
       len(pairs) == 7 + 1 and "unused_first_grads" in pairs, pairs=pairs)
 
@@ -585,8 +589,7 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
 # rank, compared across ranks with no tolerance: replicas kept in sync are bit-identical (lesson
 # 03), so their checksums agree to the last bit when every rank sums the same way (with one
-# exception, folded after the lab pointer). The converse does not hold: equal checksums are strong evidence, not proof, of equal bits (what a checksum
-# cannot see is folded after the lab pointer). Weighted by position, so
+# exception, folded after the lab pointer). Weighted by position, so
 # two tensors with the same sum but values in other places still differ. It is summed on the
 # tensor's own device, a chunk of elements at a time, so a GPU model needs no copy to the CPU.
 # Lab 10's stretch asks you for a detector of your own, `replicas_in_sync(model)`.
@@ -1152,6 +1155,7 @@ claim("and the script itself ran to the end on both ranks",
 #
 # <details><summary>▶ open</summary>
 #
+# The converse does not hold: equal checksums are strong evidence, not proof, of equal bits.
 # What a checksum misses: changes that cancel in its weighted sum (run below), a change
 # below the float64 sum's rounding (about 1e-16 of the checksum), and bits that a sum of values
 # cannot tell apart: −0.0 and +0.0 add alike. And one thing it sees that is not there: a NaN is
@@ -1252,7 +1256,8 @@ viz.quiz(quizzes.questions("10"))
 #   constructor: `max_entries_` from `TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE`,
 #   2000 by default; enabled when above 0; an entry's states `scheduled`, `started` and
 #   `completed`, the last two set when a CPU thread discovers the GPU work started or ended;
-#   `retired_` ("is this work entry no longer in the workMetaList_?"), the `retired` key and
+#   `retired_` ("is this work entry no longer in the workMetaList_? a retired but not completed
+#   event has timed out"), the `retired` key and
 #   `pg_status_key`; `FlightRecorderDetail.hpp` — `FlightRecorder::retire_id` sets
 #   `retired_ = true` when the backend retires the work, the dump writes it as `retired`,
 #   `getPgStatus` writes `last_enqueued_collective`, `last_started_collective` and
@@ -1300,8 +1305,9 @@ viz.quiz(quizzes.questions("10"))
 #   — `PeriodicDumper._run` writes each enabled handler's dump to
 #   `<name>_<timestamp>.txt` every `dump_interval`; `torch/distributed/debug/_debug_handlers.py`
 #   — `StacksHandler.dump` (every rank's `dump_traceback`), `FlightRecorderHandler.dump` (every
-#   rank's `fr_trace_json`, the nav link "FlightRecorder CPU", plus the NCCL one where there is
-#   one); the default `enabled_dumps` are `stacks`, `fr_trace` and `torchcomms_health_check`.
+#   rank's `fr_trace_json`, the nav link "FlightRecorder CPU", plus NCCL's,
+#   `dump_nccl_trace_json` with `onlyactive=true`, where there is one); the default
+#   `enabled_dumps` are `stacks`, `fr_trace` and `torchcomms_health_check`.
 # - `lib/dpcourse/__main__.py` — `diagnose`'s options: `--nproc`, `--timeout`, `--detail`,
 #   `--cpu`, `--json` (no monitored barrier, no group timeout); `lib/dpcourse/detectors.py` —
 #   `diagnose`: `group_timeout` is for worker functions only.

@@ -46,7 +46,9 @@ torch.set_num_threads(1)
 #   rank's loss being the mean over its own equal shard) — the same values on every rank, in
 #   the parameter's shape;
 # - a parameter that requires a gradient but got none on **any** rank keeps `p.grad` `None` on
-#   every rank — as one process on the global batch leaves it, and as DDP leaves it; a
+#   every rank — as one process on the global batch leaves it, and as DDP does when told to
+#   expect unused parameters (`find_unused_parameters=True`; with its defaults DDP fails at
+#   the next step instead: lesson 10, bug 9); a
 #   parameter that requires no gradient (`requires_grad=False`, frozen) keeps `None` too;
 # - any tensor you hand to a collective lives on the gradients' device (the check runs on the
 #   CPU with gloo, which accepts CPU tensors; NCCL on GPUs accepts only CUDA tensors);

@@ -21,7 +21,7 @@ __all__ = ["SmallCNN", "resnet18_cifar", "build_model", "count_parameters", "fla
 class SmallCNN(nn.Module):
     """conv-relu-pool ×3, then a 2-layer classifier: 188,810 parameters at width 32.
 
-    Shown in lesson 01, §"One step, taken apart".
+    Shown in lesson 01, §"One step, taken apart"; lesson 03, §"Averaging gradients".
     """
 
     def __init__(self, num_classes: int = 10, width: int = 32, dropout: float = 0.0):

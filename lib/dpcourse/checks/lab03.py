@@ -41,8 +41,9 @@ reference. A wrong answer is matched against simulations of the plausible mistak
   is computed from them alone), and a spy refuses them before the collective, on every rank.
 
 * a parameter that requires a gradient and that NO rank used (part 1's ``never``, 0.5 each)
-  given zeros (parts 1, 4 and the stretch): one process on the global batch, and DDP (its
-  reducer all-reduces a map of the locally used parameters, ``local_used_map_``), leave its
+  given zeros (parts 1, 4 and the stretch): one process on the global batch, and DDP with
+  ``find_unused_parameters=True`` (its reducer all-reduces a map of the locally used
+  parameters, ``local_used_map_``; with the defaults DDP fails at the next step), leave its
   p.grad None, and an optimizer steps every parameter whose p.grad is not None; the sentence
   computes one SGD step with weight decay on it. No rank can see alone whether another rank used
   it, so the ranks must exchange something; a tensor made for that without ``device=`` is

@@ -17,14 +17,17 @@ QUESTIONS = [
              "shards' gradients come from the same weights and make one update.",
              "The averaged gradient is the global batch's, with nothing scaled by 4: the same "
              "lr, 4 times the samples."]},
-    {"q": "Why does the first backward under DDP all-reduce one bucket holding every gradient?",
-     "options": ["DDP does not know the gradients' order yet: it reduces everything once, after "
-                 "the whole backward, and rebuilds buckets from the order it observed",
+    {"q": "Why does the first backward under DDP with its default flags all-reduce one bucket "
+          "holding every gradient?",
+     "options": ["It will rebuild the buckets from the order it observes in this backward; "
+                 "until then it plays safe and reduces everything once, after the whole "
+                 "backward",
                  "The first bucket is capped at 1 MiB and the model is small",
                  "gloo cannot all-reduce several buckets at once"],
      "answer": 0,
      "why": ["Right: the initial size limit is sys.maxsize; the rebuild happens before the "
-             "second forward.",
+             "second forward. (With find_unused_parameters=True and no static_graph the reducer "
+             "never rebuilds, so DDP buckets by size from the start.)",
              "This lesson's model was seven times the cap and still went in one bucket.",
              "From the second iteration on, gloo all-reduced several buckets."]},
     {"q": "After 10 steps, are DDP's weights bit-for-bit equal to one process on the global "
