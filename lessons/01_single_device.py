@@ -131,7 +131,7 @@ viz.show_code(models.SmallCNN, folded="▶ code: models.SmallCNN")
 # The move people forget: **`.grad` accumulates**. `backward()` *adds* to whatever is already
 # there (handy for gradient accumulation, lesson 04), so `optimizer.zero_grad()` must run
 # somewhere before this step's `backward()` (where, exactly, is lab 01's question). Watch it: a
-# second backward on the same batch doubles the gradient —
+# second forward and backward on the same batch doubles the gradient —
 # because the repeated forward (in train mode) computes the same function: `SmallCNN`'s dropout
 # defaults to p = 0 (`lib/dpcourse/models.py`); with dropout on, each forward drops other units.
 
@@ -142,7 +142,7 @@ first = [p.grad.clone() for p in model.parameters()]
 loss_fn(model(X), y).backward()  # no zero_grad in between
 doubled = all(torch.allclose(p.grad, 2 * g, rtol=1e-4, atol=1e-6)
               for p, g in zip(model.parameters(), first))
-claim("without zero_grad, a second backward on the same batch doubled the gradient "
+claim("without zero_grad, a second forward and backward on the same batch doubled the gradient "
       "(to a relative 1e-4)", doubled)
 optimizer.zero_grad(set_to_none=True)
 claim("after zero_grad(set_to_none=True) every .grad is None",
@@ -261,12 +261,14 @@ loop_src = inspect.getsource(train.train_one_epoch).splitlines()
 def line_of(text):
     return next(i for i, line in enumerate(loop_src) if text in line)
 start_at, stop_at = line_of("meter.start()"), line_of("meter.stop(")
+to_at, step_at = line_of(".to(device"), line_of("optimizer.step()")
 viz.show_code(textwrap.dedent("\n".join(
     loop_src[line_of("for X, y in batches"):start_at + 1]
-    + ["        ...  # the training step (lab 01 §1 writes it)"]
+    + [f"        ...  # lines {start_at + 1}-{stop_at - 2}: the training step (lab 01 §1)"]
     + loop_src[stop_at - 1:stop_at + 1])))
-claim("the meter starts after the batch reached the device and stops after the optimizer step",
-      line_of(".to(device") < start_at < line_of("optimizer.step()") < stop_at)
+claim(f"in train_one_epoch's source the meter starts (line {start_at}) after the batch reached "
+      f"the device (line {to_at}) and stops (line {stop_at}) after optimizer.step() (line "
+      f"{step_at}, elided above)", to_at < start_at < step_at < stop_at)
 
 # %% [markdown]
 # **▶ `ThroughputMeter`, `make_loaders`, `TrainConfig` and `fit`** (click the folded cell below).
@@ -284,7 +286,7 @@ sample_batches = {bs: [b for _, b in zip(range(256 // bs), train.make_loaders(ds
 rounds = 7
 measured = {bs: [] for bs in batch_sizes}
 order_rng = np.random.default_rng(seed)  # its own generator: the global seeds are untouched
-orders = []
+orders, used_threads = [], set()
 threads = torch.get_num_threads()
 torch.set_num_threads(1)                 # one intra-op thread while we measure
 try:
@@ -295,11 +297,15 @@ try:
             meter = train.ThroughputMeter(device)
             train.train_one_epoch(m, sample_batches[bs], loss_fn, opt, device, meter=meter)
             measured[bs].append(meter.rate)
+            used_threads.add(torch.get_num_threads())   # read right after each measured run
 finally:
     torch.set_num_threads(threads)
 rates = {bs: float(np.median(r)) for bs, r in measured.items()}
-claim(f"every batch size was measured {rounds} times, on one intra-op thread",
-      all(len(r) == rounds for r in measured.values()) and torch.get_num_threads() == threads)
+claim(f"every batch size was measured {rounds} times, each run on "
+      f"{' or '.join(map(str, sorted(used_threads)))} intra-op thread (read after each run), "
+      "and the thread count was restored afterwards",
+      all(len(r) == rounds for r in measured.values()) and used_threads == {1}
+      and torch.get_num_threads() == threads)
 claim("each round ran the batch sizes in a shuffled order, not always the same one",
       all(sorted(o) == sorted(batch_sizes) for o in orders) and len(set(orders)) > 1)
 
@@ -993,9 +999,13 @@ viz.quiz(quizzes.questions("01"))
 #   alert declared (no `alertCuBLASConfigNotDeterministic`, which older torch had);
 #   `torch/include/ATen/cuda/CUDAContextLight.h` — `cublas_handle_stream_to_workspace`: a
 #   workspace per cuBLAS handle and stream. The installed `libtorch_cuda.so` and
-#   `libtorch_cpu.so` no longer hold the old alert's text ("uses CuBLAS", ":4096:8"); the one
-#   message about the variable left is "Could not parse CUBLAS_WORKSPACE_CONFIG, using default
-#   workspace size" (read with `strings`). The removal: pytorch/pytorch#161749 ("remove
+#   `libtorch_cpu.so` no longer hold the old alert's text ("uses CuBLAS", ":4096:8"); the two
+#   messages about the variable left in `libtorch_cuda.so` (read with `strings`) are "Could not
+#   parse CUBLAS_WORKSPACE_CONFIG, using default workspace size" and one saying a requested
+#   unified cuBLASLt workspace larger than cuBLAS's is "limited to the CUBLAS workspace size"
+#   unless CUBLAS_WORKSPACE_CONFIG grows it: the variable sizes cuBLAS's workspace and so caps
+#   a cuBLASLt workspace that shares it (`getCUDABlasLtWorkspaceSize`, declared in
+#   `CUDAContextLight.h`). The removal: pytorch/pytorch#161749 ("remove
 #   workspace requirement checks"), after #85447 gave each handle/stream its own workspace.
 #   `torch/backends/cuda/__init__.py` — `cublas_workspace_size`: the workspace
 #   size set there "will take precedence over the CUBLAS_WORKSPACE_CONFIG environment

@@ -313,16 +313,15 @@ print(f"In the same {race_cfg.budget:g} s, asynchronous reached a test loss of {
 viz.show(viz.straggler_gantt_figure(
     {m: {w: race[w][m]["spans"] for w in (1, 2)} for m in ("sync", "async")}, applied,
     race_cfg.budget),
-    f"The race's timeline: the same {race_cfg.budget:g} s, one slow worker (red; pink: its "
-    f"sleep). Synchronous: the fast worker waits (grey) {waited['sync'][1]:.0%} of the time, for the straggler. Asynchronous: it "
-    f"still waits {waited['async'][1]:.0%}, for the server's answers: {wait_med:.2f} ms for the "
-    f"median one, {wait_mean:.1f} ms on average ({sum(long_ms) / sum(wait_ms):.0%} of its "
-    f"waiting in stalls over 10× the median); the server applied "
-    f"{applied['async'] / applied['sync']:.1f}× as many gradients.")
+    f"The race's timeline: the same {race_cfg.budget:g} s, one slow worker (red; pink: its sleep). Synchronous: "
+    f"the fast worker waits (grey) {waited['sync'][1]:.0%} of the time, for the straggler. Asynchronous: it still "
+    f"waits {waited['async'][1]:.0%}, for the server's answers: {wait_med:.2f} ms for the median one, {wait_mean:.1f} "
+    f"ms on average ({sum(long_ms) / sum(wait_ms):.0%} of its waiting in stalls over 10× the median); the server "
+    f"applied {applied['async'] / applied['sync']:.1f}× as many gradients. A computation too short to see is "
+    "drawn 1.5 px wide, so the colours can overstate computing: the percentages are the measured shares.")
 
 # %%
-# (this run's shares and counts are printed above; the claims keep margins a loaded 2-core
-# machine holds)
+# (this run's shares and counts are printed above; the margins hold on a loaded 2-core machine)
 claim("synchronous, the fast worker spends most of its time (more than half) waiting for the "
       "straggler", waited["sync"][1] > 0.5, waited=waited)
 claim("asynchronous, it waits less", waited["async"][1] < waited["sync"][1],
@@ -345,9 +344,9 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # asynchronous mode: not for the straggler, but from each push to the server's answer. The
 # typical wait (the median, printed above) is an upper bound on the round trip itself (2K
 # numbers through gloo and the server's step); how far the mean sits above it, and how much of
-# that the rare long waits explain, is printed above (the server, two workers and this
-# notebook share the machine's few cores). The spans record when the worker waited, not why:
-# the run cannot tell a descheduled server from a descheduled worker or another program.
+# that the rare long waits explain, is printed above. The spans record when the worker
+# waited, not why: the run cannot tell a descheduled server from a descheduled worker or
+# another program.
 #
 # The staleness printed above changes from run to run: it is decided by which process the
 # operating system runs first. To study its effect we need it under control.
@@ -418,9 +417,7 @@ starts = {s: start_of(s) for s in seeds}
 sweeps = {s: {lr: [async_sgd.run_stale(problem, tau, lr, seed_batches[s], seed=s)["loss"]
                    for tau in taus] for lr in lrs} for s in seeds}
 start_loss, sweep = starts[seed], sweeps[seed]
-# "Diverged" below means what the claims mean: the run ended above the loss it started from
-# (marked *); "inf" means the loss overflowed (evaluate reports NaN as inf), so it is marked
-# too ("inf*"); a loss of 1000 or more prints in powers of ten.
+# * : ended above its start ("diverged"); inf: overflowed (NaN too), so "inf*"; from 1000 up: powers of ten
 n_diverged = {lr: [sum(not sweeps[s][lr][i] < starts[s] for s in seeds) for i in range(len(taus))]
               for lr in lrs}
 print(f"seed {seed}: test loss after the budget; start {start_loss:.3f}; * = above the start "
@@ -450,11 +447,11 @@ kept_small = [(start_loss - v) / (start_loss - sweep[small][0]) for v in sweep[s
 viz.show(viz.staleness_figure(taus, sweep, start_loss=start_loss),
          f"Seed {seed}. At lr {small:g}, τ up to {taus[-2]} kept at least "
          f"{min(kept_small[:-1]):.0%} of τ = 0's loss reduction, but τ = {taus[-1]} kept only "
-         f"{kept_small[-1]:.0%} (and diverged in {n_diverged[small][-1]} of {len(seeds)} "
-         "seeds); at larger steps a few updates of delay diverge.")
+         f"{kept_small[-1]:.0%} (and ended above its start in {n_diverged[small][-1]} of "
+         f"{len(seeds)} seeds); at larger steps a few updates of delay are enough for that.")
 
 # %% [markdown]
-# Try it yourself: pick a staleness τ and a learning rate (from 0.3 up, where the table's runs
+# Try it: pick a staleness τ and a learning rate (from 0.3 up, where the table's runs
 # diverge; lab 09 measures the rows in between) and watch the test loss during training. Does
 # a diverging run climb from its first updates, or fall first and then turn? At lr 0.3, pick
 # a τ where the second table's seeds split: how close to the starting line does this seed end?
@@ -482,8 +479,8 @@ def stale_curve(tau, lr, points=5):
 
 staleness_explorer = viz.explorer(
     stale_curve, {"tau": (4, 0, 16), "lr": (0.3, 0.3, 1.5, 0.1)},   # lab 09 asks about lr 0.2
-    caption="the test loss while training with every gradient τ updates late (async_sgd.run_stale).",
-    description="staleness explorer (τ, lr)")
+    caption="the test loss while every gradient lands τ updates late (async_sgd.run_stale); a run that "
+    "ends above the dotted start counts as diverged, even one that fell first.", description="staleness explorer (τ, lr)")
 
 # %%
 big, S = lrs[-1], len(seeds)
@@ -513,8 +510,8 @@ claim("near that edge the seeds disagree — a single run's * is not the boundar
 # above: a trend over three step sizes, not a law such as "lr must shrink like 1/τ", which
 # these few points cannot tell from others). Near that edge one run proves little: the
 # seeds split. That is why asynchronous systems lower the learning rate as they add workers
-# (more workers, more staleness) — and why lockstep DDP, whose τ is always 0, took over once
-# all-reduce made lockstep cheap.
+# (more workers, more staleness) — and one reason lockstep DDP, whose τ is always 0, took over
+# once all-reduce made lockstep cheap.
 
 # %% [markdown]
 # ## Lab 09: the asynchronous worker loop
@@ -706,8 +703,12 @@ viz.show(viz.local_sgd_drift_figure(local_hs, losses, local[0]["start"][0],
 by_loss = sorted(local_hs, key=lambda h: local[0][h]["loss"])    # best first
 by_acc = sorted(local_hs, key=lambda h: -local[0][h]["acc"])
 kept = (start_loss_l - losses[-1]) / (start_loss_l - losses[0])
+acc_lo, acc_hi = (local[0][h]["acc"] for h in (by_acc[-1], by_acc[0]))
+se = math.sqrt(acc_hi * (1 - acc_hi) / 1024)  # binomial standard error: the worker tests 1024 images
 print(f"This run (one seed), the H best first: by test loss {by_loss}, by accuracy {by_acc}: "
-      + ("the two agree." if by_loss == by_acc else "the two rankings disagree."))
+      + ("the two agree." if by_loss == by_acc else "the two rankings disagree.")
+      + f" Accuracy spans {acc_lo:.1%}–{acc_hi:.1%}, {'within' if acc_hi - acc_lo < 2 * se else 'beyond'} two "
+      f"binomial standard errors ({100 * se:.1f} points on 1,024 test images); a ranking within them may be noise.")
 claim(f"with {local_hs[-1]}× fewer averages, H = {local_hs[-1]} kept {kept:.0%} of H = 1's "
       f"test-loss reduction ({start_loss_l:.3f} → {losses[-1]:.3f}, against → {losses[0]:.3f}; at "
       "least 70 %)", kept >= 0.7, kept=kept)
@@ -854,7 +855,14 @@ viz.quiz(quizzes.questions("09"))
 #   must call it, members or not (with `use_local_synchronization=True` only the members do,
 #   its docstring says); `all_reduce` sums by default.
 # - `torch/distributed/algorithms/model_averaging/averagers.py` — `PeriodicModelAverager`:
-#   averages the parameters every `period` steps after `warmup_steps` (post-local SGD).
+#   averages the parameters every `period` steps after `warmup_steps` (post-local SGD);
+#   `torch/distributed/algorithms/model_averaging/utils.py` — `average_parameters` (which the
+#   averager calls through `average_parameters_or_parameter_groups`): `torch.cat` of every
+#   parameter into one flat buffer, one `dist.all_reduce` of it (quiz question 5).
+# - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`:
+#   `first_bucket_bytes_cap` is `dist._DEFAULT_FIRST_BUCKET_BYTES` (1048576 in the installed
+#   torch) when `bucket_cap_mb` is left `None`, so this lesson's 52 KB model fits one bucket:
+#   one all-reduce per step (question 5).
 # - `torch/distributed/algorithms/ddp_comm_hooks/post_localSGD_hook.py` — `post_localSGD_hook`:
 #   global all-reduce for the first `start_localSGD_iter` iterations, then within a subgroup,
 #   or none if `post_local_gradient_allreduce` is False.

@@ -74,9 +74,11 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
     * parameter-server: one unsharded server; one push round and one pull round, but N*K bytes
       through its link each way: 2a + 2NKb (the link carries NK in and NK out; we count the
       critical path, in then out). S servers, each holding K/S, would carry NK/S each.
-    * ring: 2(N-1) steps of K/N bytes: 2(N-1)a + 2(N-1)/N K b. Each link carries 2(N-1)K/N
-      each way, which grows with N (K at N = 2, 1.75K at N = 8) but stays under 2K, a bound
-      independent of N — the reason rings scale.
+    * ring: 2(N-1) steps of K/N bytes: 2(N-1)a + 2(N-1)/N K b. Each rank sends 2(N-1)K/N to
+      one neighbour and receives as much from the other (a one-directional ring: each link
+      between neighbours carries 2(N-1)K/N one way), which grows with N (K at N = 2, 1.75K at
+      N = 8) but stays under 2K, a bound independent of N — why the ring's bandwidth term
+      scales (its latency term, 2(N-1)a, still grows with N).
     * tree: ceil(log2 N) rounds of reduce and as many of broadcast, each of K bytes:
       2 ceil(log2 N)(a + Kb). Few latency terms, but every round moves all K.
     * rabenseifner (Thakur, Rabenseifner, Gropp 2005): with N = p a power of two, log2 p rounds

@@ -2,8 +2,9 @@
 shows them with ``viz.quiz(quizzes.questions("01"))``): in ``viz.quiz``'s form."""
 
 QUESTIONS = [
-    {"q": "You call loss.backward() twice on the same batch without zero_grad. The gradient is:",
-     "options": ["the same as after one call", "zero", "twice as large"],
+    {"q": "You run the forward pass and loss.backward() twice on the same batch, without "
+          "zero_grad between them. The gradient is:",
+     "options": ["the same as after one pass", "zero", "twice as large"],
      "answer": 2,
      "why": ["backward adds into .grad; it does not overwrite it.",
              "Nothing subtracts the first gradient.",

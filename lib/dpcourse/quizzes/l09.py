@@ -37,7 +37,8 @@ QUESTIONS = [
      "why": ["Hogwild! is lock-free and stale by nature.",
              "That has the same update, but it is a different program.",
              "Right: each gradient is pushed right after it is computed."]},
-    {"q": "Stale gradients made training diverge. What fixes it?",
+    {"q": "Stale gradients made runs diverge (end above their starting loss, this lesson's "
+          "criterion). What fixes it?",
      "options": ["A larger learning rate, to catch up",
                  "A smaller step, e.g. lr divided by the staleness",
                  "More workers, to average the staleness out"],
@@ -48,11 +49,16 @@ QUESTIONS = [
              "the same stale gradients.",
              "More workers make the gradients staler."]},
     {"q": "Local SGD with H = 8 compared with DDP:",
-     "options": ["8× fewer all-reduces, with drift between them",
-                 "8× fewer all-reduces, and exactly DDP's weights",
+     "options": ["8× fewer bytes sent, with drift between the averages",
+                 "8× fewer bytes sent, and exactly DDP's weights",
                  "The same bytes as DDP, only sent 8 steps later"],
      "answer": 0,
-     "why": ["Right: how much that costs depends on the data (IID or not) and the step.",
+     "why": ["Right: one average every 8 steps, where DDP all-reduces every step; what the "
+             "drift costs depends on the data (IID or not) and the step. Counted in messages "
+             "the gap is smaller here: this lesson's loop all-reduces each of the model's 4 "
+             "tensors on its own, while DDP packs this 52 KB model into one bucket (its first "
+             "bucket holds up to 1 MiB): 2× fewer all-reduces, not 8×. Torch's "
+             "PeriodicModelAverager flattens the parameters into one all-reduce.",
              "Only H = 1 with SGD (momentum and weight decay included) computes DDP's update "
              "(here equal to 1e-6: averaging weights and averaging gradients round "
              "differently); with Adam not even H = 1 does.",
