@@ -176,9 +176,9 @@ def make_strategy(devices: list[str] | None = None,
     ``cross_device_ops=None`` keeps TensorFlow's own choice of how the replicas' gradients are
     summed. In the pinned TF (``tensorflow/python/distribute/mirrored_strategy.py``,
     ``MirroredExtended._make_collective_ops_with_fallbacks``) that is a ``CollectiveAllReduce``
-    — an all-reduce among the replicas — with the ``RING`` implementation when every device is
-    a CPU or a logical GPU carved out of a smaller number of physical ones, ``NCCL`` when they
-    are physical GPUs, and ``ReductionToOneDevice`` only when CPUs and GPUs are mixed. Pass
+    — an all-reduce among the replicas — with the ``RING`` implementation on CPUs, and on GPUs
+    when the process has more logical GPUs than physical ones (any GPU split, whichever the
+    strategy uses), else ``NCCL``; ``ReductionToOneDevice`` only when CPUs and GPUs are mixed. Pass
     ``tf.distribute.ReductionToOneDevice()`` to copy the gradients to one device, add them
     there and send the sum back (DataParallel's pattern, lesson 02) instead.
 

@@ -22,16 +22,19 @@ QUESTIONS = [
              "Every worker still sends almost 2K bytes."]},
     {"q": "Every rank calls a blocking dist.send to its right neighbour, then dist.recv from its "
           "left. What happens?",
-     "options": ["It always works",
-                 "It depends on the transport: with gloo it hangs even on tiny tensors; an MPI library "
-                 "that sends small messages eagerly lets it work on tiny tensors and hang on big ones",
-                 "It hangs only on big tensors, whatever the transport"],
+     "options": ["It works on any transport: a blocking send returns once its message is "
+                 "buffered, before the receiver posts its recv",
+                 "With gloo it hangs even on tiny tensors; over an MPI library that sends small "
+                 "messages eagerly it works on tiny ones and hangs on big ones",
+                 "It works on tiny tensors and hangs on big ones, whatever the transport: small "
+                 "messages are always buffered"],
      "answer": 1,
-     "why": ["Only if every send were buffered; with gloo none is.",
+     "why": ["Only if every send were buffered; with gloo none is: lab 06 part 4 hangs on 12 "
+             "elements.",
              "Right (lab 06 part 4 shows gloo hang on 12 elements); correct code must not rely on a "
-             "send being buffered: "
-             "lab 06 has you decide how.",
-             "With gloo it hangs on 12 elements too: lab 06 part 4 runs it."]},
+             "send being buffered: lab 06 has you decide how.",
+             "Only a transport that buffers small messages (an MPI library's eager sends) works "
+             "on tiny tensors; gloo hangs on 12 elements too: lab 06 part 4 runs it."]},
     {"q": "Your fitted α is 50 µs and 1/β is 2 GB/s. For 1 KB messages, what dominates a ring "
           "all-reduce over 8 ranks?",
      "options": ["the latency term 2(N−1)α", "the bandwidth term", "neither: they are equal"],
