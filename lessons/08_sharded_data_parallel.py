@@ -6,8 +6,8 @@
 # New here, each explained in the section that teaches it (section 3's one launch runs every
 # variant, FSDP2 included, and points ahead to the sections that teach them): mixed precision
 # with an fp32 master copy of the weights, Adam's two states per parameter, a hook on a
-# tensor's gradient (`Tensor.register_hook`), freeing a tensor's memory by resizing its
-# storage, and FSDP2's sharded parameters: a DTensor, its device mesh and its placements.
+# tensor's gradient (`Tensor.register_hook`), `saved_tensors_hooks` (what autograd keeps for
+# the backward), freeing a tensor's memory by resizing its storage, and FSDP2's sharded parameters: a DTensor, its device mesh and its placements.
 #
 # **You will be able to:**
 # - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per
@@ -87,7 +87,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # variance), still 16 but split differently, so each stage saves a different amount — ZeRO-2
 # keeps 4 + 12/N, not 2 + 14/N. (16 is what persists between steps: autocast also keeps a bf16
 # cast of each weight that the backward needs, about 2 more from forward to backward under
-# DDP, checked below; FSDP2 casts one unit at a time.)
+# DDP; FSDP2 casts one unit at a time.) Below, `torch.autograd.graph.saved_tensors_hooks`
+# calls its first function on every tensor autograd saves for the backward: ours lists them.
 
 # %%
 viz.show_code(zero.bytes_per_param)
@@ -148,8 +149,8 @@ zero_calculator = viz.explorer(
 
 # %% [markdown]
 # ## 2. ZeRO-1: shard the optimizer state
-# See all the parameters as one flat vector of Ψ numbers cut into N slices, one per rank (how
-# to cut it is lab 08's part 1). Rank r keeps the fp32 master copy and Adam's state for slice
+# See all the parameters as one flat vector of Ψ numbers cut into N slices, one per rank (padded
+# to a multiple of N: `flatten_padded`, section 3). Rank r keeps the fp32 master copy and Adam's state for slice
 # r only, so the optimizer state costs 12Ψ/N instead of 12Ψ. A step:
 #
 # 1. the backward, as always: every rank has the full gradient of its own micro-batch;
@@ -167,9 +168,11 @@ zero_calculator = viz.explorer(
 # ## 3. ZeRO-2: shard the gradients too
 # After the reduce-scatter a rank needs only the averaged gradient of its own slice. Stage 2
 # keeps that and drops the full gradients. The short way to write it does the reduce-scatter
-# in `step()`, after the backward: between the end of the backward and that reduce-scatter
-# every full gradient still exists at once, as in ZeRO-1, so it saves memory *at rest* (between
-# steps), not at the rank's fullest moment, its **peak**.
+# in `step()`: between the end of the backward and that reduce-scatter
+# every full gradient still exists at once, as in ZeRO-1, so it saves memory *at rest* (from
+# `step()` to the next `zero_grad()`, called here at the top of a step; a `zero_grad()` right
+# after `step()`, ours or torch's by default, drops ZeRO-1's gradients too: nothing saved),
+# not at the rank's fullest moment, its **peak**.
 #
 # ### Lab 08: ZeRO-2 that earns its memory
 # Open [lab08_zero_two](../labs/lab08_zero_two.ipynb) and write stage 2 the way that lowers
@@ -177,9 +180,8 @@ zero_calculator = viz.explorer(
 # backward, which must not wait for them; what to keep in flight, and when to wait for it, is
 # yours to decide under the memory bound the lab states. The check weighs the gradient
 # memory alive at every arrival, and you predict the peak before you measure it. The tool it
-# needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). The library's
-# stages below hold the lab's pieces: every one of them folded, behind a ▶ label (`Zero1`,
-# stage 1, is shown: the lab does not ask for it).
+# needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). Below, the
+# library's stages fold the lab's pieces behind ▶ labels.
 #
 # ### The library's stages, checked
 # Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
@@ -452,8 +454,7 @@ viz.show(viz.zero3_timeline_figure(events, layer_names),
 # Now in mixed precision — bf16 weights and gradients, fp32 master and Adam state, the
 # setting of the formula — at N = 2, 3 and 4. After the last step each rank counts the bytes
 # behind every tensor it holds, by *storage*: a view counts once, a freed buffer counts zero.
-# And every collective is recorded with the size of the buffer it acts on, so that a step's
-# traffic can be compared with a formula too. `count_bytes`'s `to_local` line is for section
+# Every collective is recorded too. `count_bytes`'s `to_local` line is for section
 # 6's FSDP2, whose parameters are *DTensors*: one logical tensor cut across the ranks, of
 # which `to_local()` returns the piece this rank holds.
 
@@ -569,9 +570,8 @@ viz.show(viz.zero_tradeoff_figure(
     "0.75×).")
 
 # %% [markdown]
-# What traffic means in time depends on the network (lesson 06's α-β model) and on whether
-# the collectives overlap the compute. Ours never do, and no run here shows FSDP2's (section
-# 6). This lesson counts bytes, not seconds. One bound needs no run, though: when *could*
+# What traffic costs in time depends on the network (lesson 06's α-β model) and on overlap
+# with the compute, which no run here shows: this lesson counts bytes, not seconds. One bound needs no run, though: when *could*
 # ZeRO-3's collectives hide behind the compute? A layer of P parameters costs 2·P flops per
 # token in the forward and 4·P in the backward, against 2·P bytes of bf16 weights gathered
 # before the forward, and 2·P gathered plus 2·P of bf16 gradients reduce-scattered in the
@@ -909,7 +909,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same; autocast's weight casts add ~2 B from forward to backward) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
 # | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (4 weights + 4 gradients + 4 for DDP's buckets + Adam's 8/N; the run above weighs only the optimizer state), 8 + 8/N B with `gradient_as_bucket_view=True`; roughly, as whole parameters are per rank | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
-# | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ with one backward per step; (k+1)Ψ with k accumulation micro-batches (no full gradient to accumulate into: it reduce-scatters each) | more memory freed, no extra traffic without accumulation — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
+# | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ (ours reduce-scatters in `step()`, so also with k accumulation micro-batches); (k+1)Ψ at k for one that reduce-scatters during each backward and keeps only its shard | more memory freed, no extra traffic without accumulation — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
 # | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one forward and one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: k accumulation micro-batches gather about 2k times, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
 # | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
 #
@@ -947,14 +947,14 @@ claim(f"a 13-B model on 8 \"40-GB\" A100s (40 GiB = {40 * gib / gb:.1f} GB each;
 #   just before its reduce-scatter, was the same at N = 2, 3 and 4.
 # - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
 #   same traffic when gradients and weights travel in one dtype and each step has one
-#   backward (ZeRO-2, holding only its gradient shard, reduce-scatters every accumulation
-#   micro-batch: (k+1)Ψ at k, where DDP under `no_sync()` sends 2Ψ). ZeRO-3 gathers the weights
+#   backward (a ZeRO-2 that reduce-scatters during each backward, keeping only its shard,
+#   sends (k+1)Ψ at k accumulation micro-batches; DDP under `no_sync()` and ours, 2Ψ). ZeRO-3 gathers the weights
 #   twice (forward and backward): 1.5× then, with one backward per step and nothing tied
 #   across units — more with a tied layer (measured) or gradient accumulation, less where
 #   FSDP2 keeps its root gathered. With bf16 weights and fp32 gradients the ratios become
 #   0.75× and 1.0× (FSDP2 measured).
-# - A ZeRO-2 that reduce-scatters in `step()` saves memory at rest, not at its peak: the lab
-#   reduce-scatters during the backward.
+# - A ZeRO-2 that reduce-scatters in `step()` saves memory at rest (none if `zero_grad()`
+#   follows `step()` at once), not at its peak: the lab reduce-scatters during the backward.
 # - FSDP2's `fully_shard` is ZeRO-3 with DTensor parameters, mixed-precision policies and
 #   state-dict helpers; here it held (4 + 4 + 8)/N per parameter and sent bf16 all-gathers and
 #   an fp32 reduce-scatter. `ZeroRedundancyOptimizer` is a ready ZeRO-1 for DDP.
@@ -983,6 +983,10 @@ viz.quiz(quizzes.questions("08"))
 #   deprecated aliases that warn and call them.
 # - `torch/_tensor.py` — `Tensor.register_post_accumulate_grad_hook`: the hook runs once the
 #   gradient has been accumulated into `p.grad` (ZeRO-3's reduce-scatter, the lab's buckets).
+# - `torch/optim/optimizer.py` — `Optimizer.zero_grad(set_to_none=True)`: by default it sets
+#   each `p.grad` to None, freeing the gradients (section 3's "at rest").
+# - `torch/autograd/graph.py` — `saved_tensors_hooks`: its pack hook is called on every tensor
+#   an operation saves for the backward (section 1's list of what autocast keeps).
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: the comm
 #   hook registered on torch DDP so that its all-reduce goes through `torch.distributed` and is
 #   recorded.

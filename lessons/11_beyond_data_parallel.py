@@ -813,7 +813,9 @@ bubble_explorer = viz.explorer(
 # timeline's bubble is `measured_bubble`'s idle share of it: both folded below, since the
 # lab's stretch asks you to write one GPipe step and to measure its bubble. Our CPU ranks
 # would fight over the machine's cores, so each forward also sleeps `delay_s` (each backward twice that): a stand-in for an
-# accelerator, which computes without taking a CPU core. Every (schedule, M) runs in one
+# accelerator, which computes without taking a CPU core. The sleep makes each action long
+# against its CPU work, but that work still shares the cores, so on a loaded machine some
+# actions stretch and some ranks stall. Every (schedule, M) runs in one
 # launch and is compared with the unsplit model on the whole batch — the model, its cut into
 # stages, the data and the reference:
 
@@ -878,7 +880,8 @@ claim(f"played with fixed times and free messages, GPipe and 1F1B have the same 
 # %% [markdown]
 # Measured, the two need not agree (the excess of each over the ideal is printed below).
 # What a measurement adds to the ideal is idle time the schedule does not contain: a stage
-# waiting for its neighbour's message, Python and `isend` between two actions. The two
+# waiting for its neighbour's message, Python and `isend` between two actions, a rank
+# stalled while the others hold the cores. The two
 # orders meet those waits at different moments (GPipe's last stage receives M activations in
 # a row, then sends M gradients in a row; 1F1B interleaves them), so their excess differs
 # from run to run and from machine to machine; only the ideal bubble is a property of the
@@ -899,15 +902,20 @@ m_show = micro[-1]
 run = gpipe[m_show]
 f0 = sorted((a, b) for k, kind, i, a, b in run.events if k == 0 and kind == "F")
 gaps_ms = 1e3 * sum(f0[i + 1][0] - f0[i][1] for i in range(len(f0) - 1))
+bl = sorted((a, b) for k, kind, i, a, b in run.events if k == stages - 1 and kind == "B")
+gaps_last_ms = 1e3 * sum(bl[i + 1][0] - bl[i][1] for i in range(len(bl) - 1))
+stretch = max((b - a) / (delay_s * (1 if kind == "F" else 2)) for _, kind, _, a, b in run.events)
 span_ms = 1e3 * (max(e[4] for e in run.events) - min(e[3] for e in run.events))
 viz.show(viz.pipeline_gantt_figure(
     run.events, pipeline_parallel.simulate_timeline(stages, m_show, "gpipe"), stages,
     m_show, run.bubble, run.ideal),
     f"GPipe, {stages} stages, {m_show} micro-batches: measured (top) and ideal (bottom). The "
     f"fill and drain triangles are the bubble — {run.bubble:.0%} measured against "
-    f"{run.ideal:.0%} ideal. The excess is overhead and waiting: stage 0, which receives "
-    f"nothing in its forwards, still loses {gaps_ms:.1f} ms between them (Python and isend) "
-    f"of a {span_ms:.0f}-ms step; later stages also wait for their neighbour's message.")
+    f"{run.ideal:.0%} ideal. Stage 0 receives nothing before its forwards, the last stage "
+    f"nothing before its backwards, yet they lose {gaps_ms:.1f} and {gaps_last_ms:.1f} ms "
+    f"between those actions, of a {span_ms:.0f}-ms step: Python, isend, and stalls while {stages} ranks "
+    f"share the cores (the slowest action took {stretch:.1f}× its sleep). Only the other "
+    f"gaps can also be a wait for a neighbour's message.")
 
 # %% [markdown]
 # 1F1B's point is memory. In its Gantt chart the backwards start as soon as the last stage

@@ -192,8 +192,8 @@ def summarize_traffic(calls, world_size: int) -> dict:
 def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4, *,
                      grad_bytes: int | None = None) -> int:
     """The volume a step should record (bytes; see the convention above), for one forward and
-    one backward per step: with k accumulation micro-batches ZeRO-2, which keeps no full
-    gradient, reduce-scatters k times, and ZeRO-3 gathers and reduce-scatters k times.
+    one backward per step. With k accumulation micro-batches ZeRO-3 gathers and reduce-scatters
+    k times, as does a ZeRO-2 that reduce-scatters in each backward (``Zero2``: in step()).
 
     * ``ddp``: one all-reduce of the Ψ gradients: 2Ψ;
     * ``zero1``, ``zero2``: reduce-scatter the gradients, all-gather the weights, each over the

@@ -296,8 +296,9 @@ def check_peak_prediction(guess, measured: int) -> None:
            f"bucket just copied into its buffer, before its p.grad is let go: the same "
            f"gradients twice — at most at bucket {k}: ({b[k]} + {P[k]}) × 4 = {copy} B. The "
            f"peak is the larger, {expected} B, {round(100 * expected / total)} % of the {total} "
-           f"B of all the gradients, which DDP, or a ZeRO-2 that reduce-scatters in step(), "
-           f"holds at once — two buckets, not two caps ({2 * PEAK_CAP} B). What is weighed is "
+           f"B of the gradients alone, which DDP, or a ZeRO-2 that reduce-scatters in step(), "
+           f"holds at once before any buffer to send them (by default torch DDP's buckets are a "
+           f"second copy) — two buckets, not two caps ({2 * PEAK_CAP} B). What is weighed is "
            f"the gradient storage alive between two lines of your code: a temporary made and "
            f"dropped inside one line is not seen — F.pad(torch.cat(...)) holds the unpadded "
            f"cat and its padded copy at once, one bucket more than the {expected} B; a zeroed "
@@ -345,8 +346,8 @@ def check_schedule_predictions(wait_first, launch_first, launch_all, measured: d
     why = (f"Waiting for nothing until step() keeps every launched bucket's buffer: at bucket "
            f"{k}'s copy, the buffers of the buckets before it ({' + '.join(map(str, P[:k]))}) "
            f"and bucket {k} twice ({b[k]} + {P[k]}), × 4 = {peak} B — more than the {total} "
-           f"B of all the gradients that DDP holds: unbounded launches keep every gradient "
-           f"ZeRO-2 meant to drop, and the copy comes on top.")
+           f"B of the gradients alone, before the buffers DDP adds to send them: unbounded "
+           f"launches keep every gradient ZeRO-2 meant to drop, and the copy comes on top.")
     value = getattr(launch_all, "value", None)
     if isinstance(value, (int, float)) and abs(value - total) <= 0.05 * total:
         why += (" You predicted all the gradients: the buffers are the gradients, moved — but "

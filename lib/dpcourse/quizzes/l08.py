@@ -3,35 +3,52 @@ shows them with ``viz.quiz(quizzes.questions("08"))``): in ``viz.quiz``'s form."
 
 QUESTIONS = [
     {"q": "With mixed-precision Adam, which part of a parameter's 16 bytes is largest?",
-     "options": ["The bf16 weights", "The bf16 gradients",
-                 "The optimizer state: fp32 master weights, momentum and variance"],
+     "options": ["The weights the model computes with: every rank needs all of them, whole, "
+                 "in its forward and its backward",
+                 "The gradients: every rank holds its micro-batch's full gradient from the "
+                 "backward until the all-reduce",
+                 "The optimizer state: the fp32 master weights, Adam's momentum and its variance"],
      "answer": 2,
-     "why": ["2 bytes.", "2 bytes.", "Right: 12 of the 16 bytes, which is why ZeRO shards it "
-             "first."]},
+     "why": ["2 bytes (bf16), however many ranks need them whole.",
+             "2 bytes (bf16), however long they are held.",
+             "Right: 12 of the 16 bytes, which is why ZeRO shards it first."]},
     {"q": "Gradients and weights in the same dtype: why does ZeRO-1 send no more than DDP?",
-     "options": ["It compresses the gradients",
+     "options": ["It sends each rank only its slice's gradients, 1/N of them, where DDP sends "
+                 "every gradient to every rank",
                  "DDP's all-reduce is a reduce-scatter plus an all-gather; ZeRO-1 does the same "
-                 "two halves, just with the optimizer step in between",
-                 "It skips the all-gather"],
+                 "two halves, with the step in between",
+                 "It skips the all-gather: each rank steps its own slice, so the other slices' "
+                 "weights never travel"],
      "answer": 1,
-     "why": ["Nothing is compressed.", "Right: the same volume, for less memory.",
-             "Without the all-gather the ranks' weights would drift apart."]},
+     "why": ["A ring all-reduce does not send every gradient everywhere either: its first half "
+             "is that same reduce-scatter.",
+             "Right: the same volume, for less memory.",
+             "Without the all-gather the ranks' weights would drift apart: every forward needs "
+             "every weight."]},
     {"q": "Everything in bf16: why does ZeRO-3 send 1.5× DDP's bytes?",
      "options": ["It all-gathers each layer's weights twice — for the forward and again for "
                  "the backward — and reduce-scatters the gradients: three halves",
-                 "It all-reduces twice", "Because of padding"],
+                 "It all-reduces each layer's gradients in the backward, like DDP, and "
+                 "all-gathers the layer's weights once, before its forward",
+                 "Each layer's shard is padded to a multiple of N, and the padding of every "
+                 "layer adds up to half of DDP's volume"],
      "answer": 0,
-     "why": ["Right: 3Ψ against DDP's 2Ψ.", "There is no all-reduce in ZeRO-3.",
+     "why": ["Right: 3Ψ against DDP's 2Ψ.",
+             "There is no all-reduce in ZeRO-3: a rank keeps only its gradient shard, so the "
+             "reduce-scatter is enough — and the backward needs the weights gathered again.",
              "Padding adds well under 1 % here."]},
     {"q": "Your ZeRO-2 reduce-scatters every gradient in step(), after the backward. What "
           "did it save?",
-     "options": ["Memory at rest between steps, but not the peak: at the end of the backward "
-                 "every full gradient existed at once, as in ZeRO-1",
-                 "The peak: the gradients are sharded",
-                 "Traffic: a reduce-scatter sends half of an all-reduce"],
+     "options": ["Memory from step() to the next zero_grad() only, not the peak: after the "
+                 "backward every full gradient exists at once",
+                 "The peak: the gradients are sharded, so no rank holds more than its 1/N slice "
+                 "of them at any moment",
+                 "Traffic: its reduce-scatter sends half of what DDP's all-reduce sends, so the "
+                 "step sends half the bytes"],
      "answer": 0,
-     "why": ["Right: the peak falls only when buckets are reduce-scattered and dropped during "
-             "the backward (lab 08).",
+     "why": ["Right, as in ZeRO-1 — and nothing at all if zero_grad() follows step() at once, "
+             "since it drops ZeRO-1's gradients too. The peak falls only when buckets are "
+             "reduce-scattered and dropped during the backward (lab 08).",
              "They are sharded only once the reduce-scatter has run; before it every rank holds "
              "all of them.",
              "The all-gather after the step sends the other half: the same traffic as DDP."]},

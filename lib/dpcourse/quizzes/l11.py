@@ -4,15 +4,17 @@ shows them with ``viz.quiz(quizzes.questions("11"))``): in ``viz.quiz``'s form."
 QUESTIONS = [
     {"q": "ZeRO-3 on 4096 GPUs holds 0.7 GB of GPT-3's model state per GPU. Why can it still "
           "not train it at batch 1 without recomputation?",
-     "options": ["The all-gathers need the whole model at once",
+     "options": ["Its all-gathers put the whole model on every GPU at once before the forward: "
+                 "175 billion bf16 weights, 350 GB",
                  "Each GPU runs whole layers on a whole sequence: 275 GB of activations (82 GB "
-                 "with flash attention, over the 85.9 GB with ZeRO-3's working set), which no "
-                 "number of data-parallel ranks divides",
-                 "Adam's state is not sharded by ZeRO-3"],
+                 "with flash attention), which no number of ranks divides",
+                 "ZeRO-3 shards the weights and gradients, but Adam's momentum and variance, "
+                 "1.4 TB, stay whole on every GPU"],
      "answer": 1,
      "why": ["Only one or two layers' weights at a time (its working set).",
-             "Right: activations belong to the micro-batch, not the model.",
-             "It is: ZeRO-3 shards all 16 bytes."]},
+             "Right: activations belong to the micro-batch, not the model; 82 GB is over the "
+             "85.9 GB once ZeRO-3's working set is added.",
+             "It shards them too: ZeRO-3 shards all 16 bytes."]},
     {"q": "A tensor-parallel MLP's micro-batch doubles from 1 to 2 sequences. What happens to "
           "the bytes its all-reduces carry, and to the bytes DDP all-reduces for the same MLP?",
      "options": ["Both double",
@@ -40,13 +42,16 @@ QUESTIONS = [
              "over compute time (the planner's idle_over_work column), 64 give 7/64 ≈ 10.9 %: "
              "under 10 % takes 71 there."]},
     {"q": "Why does Megatron-LM keep tensor parallelism inside a node?",
-     "options": ["It needs more memory than pipeline parallelism",
-                 "Its all-reduces happen in every layer, mostly on the critical path, so they "
-                 "need the node's fast links (NVLink), not the network",
-                 "DTensor cannot span nodes"],
+     "options": ["It needs more memory per GPU than pipeline parallelism, and only GPUs in one "
+                 "node can pool their memory",
+                 "Its all-reduces come in every layer, mostly on the critical path, so they "
+                 "need the node's fast links (NVLink)",
+                 "A DTensor's device mesh cannot span nodes: its ranks must be the GPUs of "
+                 "one host"],
      "answer": 1,
-     "why": ["It saves memory.", "Right: four all-reduces per layer per micro-batch.",
-             "It can; it is just slow."]},
+     "why": ["It saves memory: each rank holds a slice of every layer's weights.",
+             "Right: four all-reduces per layer per micro-batch.",
+             "It can: a mesh is any set of ranks; across nodes it is just slow."]},
     {"q": "Data parallelism on 32 ranks of 16 examples, B_noise ≈ 60. Doubling to 64 ranks "
           "cuts the steps by about…",
      "options": ["2×", "1.06×", "0.5×"],
