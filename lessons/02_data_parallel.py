@@ -34,8 +34,9 @@
 # 3. **parallel_apply**: run each replica on its chunk, one Python *thread* per replica when
 #    there are two or more (a lone replica runs in the caller's thread; the threads of one
 #    process share its GIL, Python's *global interpreter lock*: only one of them runs Python
-#    code at a time — on the default CPython build, the one this course runs (§5 checks it);
-#    the optional free-threaded build, experimental in 3.13 and supported from 3.14, has none);
+#    code at a time — on the default CPython build, the one this course runs ("Why it is
+#    slow" checks it); the optional free-threaded build, experimental in 3.13 and supported
+#    from 3.14, has none);
 # 4. **gather** the outputs on device 0, compute the loss there, and `backward()`: autograd
 #    carries the replicas' gradients back to the original parameters on device 0.
 #
@@ -245,9 +246,10 @@ claim("every parameter of the original model received a gradient",
 # tensors move between devices: a **broadcast** copies one device's tensor to every device, and
 # a **reduce** brings a tensor from every device onto one device, combining them there with one
 # operation into a single tensor (which operation the gradients need is lab 02's to work out).
-# The real class moves the same tensors with collectives — operations that all the devices join
-# at once, such as one broadcast — when NCCL, NVIDIA's library of collectives for its GPUs, is
-# there ("Why it is slow" below):
+# The real class moves the weights and the gradients with collectives — operations that all the
+# devices join at once, such as one broadcast — when NCCL, NVIDIA's library of collectives for
+# its GPUs, is there ("Why it is slow" below); it copies the input's chunks and the outputs
+# device by device (`comm.scatter`, `comm.gather`):
 
 # %%
 claim("dp.data_parallel(model, X, devs) equals the plain model (to 1e-5)",
@@ -836,7 +838,10 @@ viz.quiz(quizzes.questions("02"))
 # - `torch/nn/parallel/comm.py` — `broadcast_coalesced` (`buffer_size=10485760`, done in C++ by
 #   `torch._C._broadcast_coalesced`; its `_get_device_index` refuses a CPU device, "Expected a
 #   non cpu device": why `dp_costs.time_replicate_vs_forward` stands clones in for it, and our
-#   `dp.Broadcast` for `Broadcast` on `replicate`'s `detach=False` path).
+#   `dp.Broadcast` for `Broadcast` on `replicate`'s `detach=False` path). `scatter` and
+#   `gather` call `torch._C._scatter` and `torch._C._gather` (declared in
+#   `torch/include/torch/csrc/cuda/comm.h`; their C++ source, `comm.cpp`, not installed, copies each chunk
+#   to its device with `.to(...)` / `copy_`, no NCCL call).
 # - `torch/nn/parallel/scatter_gather.py` — `scatter`, `scatter_kwargs` (tensors split along
 #   `dim` by `Scatter.apply`), `gather`.
 # - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: when `len(modules) > 1`, one

@@ -690,7 +690,7 @@ viz.show_code(viz.sampler_slots, folded="▶ code: viz.sampler_slots")
 # forward before it ran with gradients enabled and outside `no_sync`. So in a
 # training loop every forward broadcasts; the forward after a `no_sync` forward does not; the
 # first `torch.no_grad()` forward after training does, and the ones after it do not; a forward
-# in `eval()` mode with gradients enabled does. So only the
+# in `eval()` mode with gradients enabled does. So, under `torch.no_grad()`, only the
 # *first* evaluation forward broadcasts: shards of different lengths do not hang, but a rank
 # with **no** batch never makes that broadcast, and the others wait for it.
 #
@@ -1212,7 +1212,8 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 # since torch 2.13. Both turn off the broadcast before each forward, but
 # `broadcast_buffers=False` also leaves the buffers out of the broadcast from rank 0 when DDP
 # wraps the model, and `forward_sync_buffers=False` does not: with `init_sync` on (the
-# default) the buffers are still made rank 0's there (read in the source, *not run here*:
+# default; the constructor's argument that broadcasts rank 0's parameters and buffers as DDP
+# wraps) the buffers are still made rank 0's there (read in the source, *not run here*:
 # torch's deprecation warning says so; `DistributedDataParallel.__init__`
 # hands `_sync_module_states` `broadcast_buffers=init_sync_buffers`, which only the old flag
 # turns off). A model that keeps rank-local buffers on purpose still needs the old flag.
@@ -1234,7 +1235,7 @@ claim("after 10 steps the bf16 loss is within 0.05 of the fp32 loss",
 #   adds them up (2C numbers); every rank then finishes the input's gradient with the global
 #   sums. Only when the layer's input needs a gradient (`needs_input_grad[0]`): a BatchNorm on
 #   the raw input, or after frozen layers, sends only the forward's all_gather (read in the
-#   source, not run here: `nn.SyncBatchNorm` needs a GPU, below).
+#   source, not run here: `nn.SyncBatchNorm` refuses CPU tensors, below).
 #
 # In `eval()` mode it uses the running statistics and sends nothing. What does
 # `nn.SyncBatchNorm` do on a CPU? Its `forward` (`torch/nn/modules/batchnorm.py`) wants to
@@ -1848,9 +1849,9 @@ viz.quiz(quizzes.questions("04"))
 #   `default_pg_nccl_timeout` (from the C++ core's `_DEFAULT_PG_NCCL_TIMEOUT`, 10 minutes; the
 #   claim in section 5 reads both).
 # - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: in training, inside an
-#   initialised process group, it first raises on a CPU tensor ("expected input tensor to be on
-#   GPU"), and only then sets `need_sync = world_size > 1`, falling back to `F.batch_norm` for
-#   one rank (and outside a group, or in eval mode). `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward` /
+#   initialised process group, it first raises on a tensor that is not on a CUDA, HPU, XPU or
+#   PrivateUse1 device ("expected input tensor to be on GPU or XPU or …"), and only then sets
+#   `need_sync = world_size > 1`, falling back to `F.batch_norm` for one rank (and outside a group, or in eval mode). `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward` /
 #   `backward`: all_gather of `[mean, invstd, count]` combined by
 #   `batch_norm_gather_stats_with_counts`, all_reduce of two per-channel sums only `if
 #   self.needs_input_grad[0]`.

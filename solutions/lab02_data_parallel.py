@@ -378,8 +378,11 @@ lab02.check_state_predictions(*state_guesses)
 # Either at the copying stage (`copy.deepcopy` takes a memo: a dict from `id(obj)` to the object
 # to use instead of a copy), or in two extra stages: before the forwards, note which tensor
 # copy 0 holds under each buffer name; after the backward, for each name, bring back the values
-# of that noted tensor, whatever copy 0 holds under the name by then. Plain attributes: nothing
-# to do.
+# of that noted tensor, whatever copy 0 holds under the name by then. Plain attributes: torch's
+# replicas get a shallow copy of the module's `__dict__`, so one the forward rebinds (`calls`)
+# changes only a replica's dict and needs nothing from you; a mutable one changed in place (a
+# list appended to) would be the module's own object, shared by every replica, which a
+# `copy.deepcopy` loses (the modules this check tries only rebind theirs).
 #
 # </details>
 

@@ -7,7 +7,8 @@
   hook that does what DDP does by default (average each gradient bucket with one all_reduce)
   and counts the calls and the bytes;
 * SyncBatchNorm on CPU: ``nn.SyncBatchNorm`` refuses CPU tensors ("expected input tensor to be
-  on GPU"), so :class:`CPUSyncBatchNorm` does the same maths with an autograd-aware all_reduce;
+  on GPU or XPU ..."), so :class:`CPUSyncBatchNorm` gets the same result by another route (one
+  autograd-aware all_reduce of sums, where the real one all-gathers means and invstds);
   :func:`convert_sync_batchnorm` picks the real one on CUDA and this one on CPU;
   :class:`SmallBNNet` is a tiny model with BatchNorm to show when it matters;
 * several torchrun "nodes" on one machine: :func:`run_nodes` starts them concurrently, joined by
@@ -192,11 +193,11 @@ class AllReduceSum(torch.autograd.Function):
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm whose batch statistics are taken over the *global* batch (all ranks).
 
-    The same maths as ``nn.SyncBatchNorm``, which only runs on GPUs: each rank sums its
-    ``x`` and ``x²`` per channel and counts its samples, one all_reduce adds them up, and every
-    rank normalises with the global mean and variance. The all_reduce is
-    differentiable (its backward is an all_reduce of the gradients), so the gradients are those of one process on the global batch.
-    Outside a process group (or in eval mode) it is ordinary BatchNorm.
+    The same result as ``nn.SyncBatchNorm`` (which all-gathers each rank's mean, invstd and
+    count; CUDA, XPU, HPU or PrivateUse1 only) by another route: each rank sums ``x`` and ``x²``
+    per channel and counts its samples, one all_reduce adds them up, every rank normalises with
+    the global mean and variance, and the all_reduce is differentiable: the gradients are one
+    process's on the global batch. Outside a process group (or in eval mode): plain BatchNorm.
 
     Shown in lesson 04, §9.
     """

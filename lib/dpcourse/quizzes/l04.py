@@ -60,6 +60,7 @@ QUESTIONS = [
              "Right: for SGD, with or without momentum, a summed gradient at lr is an averaged "
              "one at 8·lr (bit for bit here, 8 being a power of two; up to rounding for other "
              "N). Not with weight decay (the decay is not multiplied), not under gradient "
-             "clipping (the clipped step has the same length either way), not for Adam.",
+             "clipping (when the averaged gradient is clipped too, both are cut to max_norm "
+             "and the same lr matches; when only the sum is, no lr does), not for Adam.",
              "Each step still uses the gradients of all 8 ranks' batches."]},
 ]
