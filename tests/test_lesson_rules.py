@@ -276,6 +276,40 @@ def test_a_markdown_cell_folded_by_metadata_alone_is_found(tmp_path):
     assert not find_leaks([tmp_path / "03_b.ipynb"], [sol], read=readable_lines_in_every_viewer)
 
 
+def code_shown_by_flag_alone(nb) -> list[int]:
+    """The code cells folded by ``source_hidden`` whose ``show_code`` output prints code
+    without ``folded=``: GitHub ignores the flag, so that code is printed in full there."""
+    return [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+            and authoring.folded(cell, "source_hidden") and "show_code(" in cell.source
+            and "folded=" not in cell.source]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_folded_code_is_folded_in_every_viewer(path):
+    """A folded cell that shows code passes ``folded="▶ label"`` to ``viz.show_code``, so the
+    code prints inside a ``<details>`` block in every viewer, not only where the cell's fold
+    flag is honoured."""
+    bad = code_shown_by_flag_alone(nbformat.read(path, as_version=4))
+    assert not bad, (f"{path.name} cells {bad}: show_code in a cell folded by "
+                     "jupyter.source_hidden alone, which GitHub ignores: pass "
+                     'folded="▶ label" to viz.show_code')
+
+
+def test_code_folded_by_the_flag_alone_is_found():
+    """The test above can fail: a flagged cell calling show_code without folded= is found; with
+    folded=, or unflagged, it is not."""
+    def cell(source, flag=True):
+        c = nbformat.v4.new_code_cell(source)
+        if flag:
+            c.metadata["jupyter"] = {"source_hidden": True, "outputs_hidden": True}
+        return c
+    nb = nbformat.v4.new_notebook(cells=[
+        cell("viz.show_code(ring.cost)"),
+        cell('viz.show_code(ring.cost, folded="▶ code: ring.cost")'),
+        cell("viz.show_code(ring.cost)", flag=False)])
+    assert code_shown_by_flag_alone(nb) == [0]
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_every_folded_cell_has_a_visible_label(path):
     """A folded cell shows only '…' in JupyterLab: the markdown cell right before it says what it
