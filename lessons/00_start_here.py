@@ -533,10 +533,11 @@ viz.quiz(quizzes.questions("00"))
 #   serving one device type in a group.
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
 #   module so it can be pickled and spawned": pickled by name, as a notebook cell's function is
-#   (`__main__.hello`), it is looked up in the child's `__main__`, which is not the notebook (it
-#   has no file the child could re-import: Python's own `multiprocessing/spawn.py`,
-#   `get_preparation_data`, passes `init_main_from_path` only when `__main__` has a
-#   `__file__`); hence
+#   (`__main__.hello`), it is looked up in the child's `__main__`, which is not the notebook:
+#   the notebook's `__main__` has neither a file nor a module name the child could re-import
+#   (Python's own `multiprocessing/spawn.py`, `get_preparation_data`, passes
+#   `init_main_from_name` only when `__main__.__spec__` names a module, `init_main_from_path`
+#   only when it has a `__file__`); hence
 #   `dpcourse.launch.spawn` ships it with cloudpickle (`lib/dpcourse/launch.py`: `spawn`'s
 #   `cloudpickle.dumps`, `worker_entry`'s `cloudpickle.loads(payload)` in each rank, both found
 #   by a claim above; its processes start by `forkserver`; the claim before them shows pickle by
