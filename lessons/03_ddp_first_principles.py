@@ -373,8 +373,9 @@ claim(f"{world_size} ranks: weights after {steps} steps == one process to 1e-5, 
 # the very same all-reduced numbers and applies the same update. Nobody sends weights after the
 # start — equal gradients keep them equal. That holds for any number of ranks on two
 # conditions: the all-reduce hands every rank the same bytes (say, each piece of the sum
-# computed once and copied to the others; that gloo's does hand out equal bytes shows here in
-# its result, not in its code, which is not installed), and every rank runs the same optimizer
+# computed once and copied to the others; that gloo's did so in this run shows in its result,
+# bit-equal weights on every rank, not in its code, which is not installed), and every rank
+# runs the same optimizer
 # kernels on the same kind of device. It
 # does not make N ranks bit-for-bit equal to one process: on 3 ranks too, that agreement is to
 # a tolerance. The next cell checks both on 3 ranks (gloo, on the CPU, whatever this machine's

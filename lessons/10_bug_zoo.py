@@ -1155,7 +1155,8 @@ claim("and the script itself ran to the end on both ranks",
 #
 # <details><summary>▶ open</summary>
 #
-# The converse does not hold: equal checksums are strong evidence, not proof, of equal bits.
+# Replicas in sync give equal checksums; the converse does not hold: equal checksums are strong
+# evidence, not proof, of equal bits.
 # What a checksum misses: changes that cancel in its weighted sum (run below), a change
 # below the float64 sum's rounding (about 1e-16 of the checksum), and bits that a sum of values
 # cannot tell apart: −0.0 and +0.0 add alike. And one thing it sees that is not there: a NaN is
