@@ -178,7 +178,7 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 # | GPUs, no GPU in the process split (multi-GPU profile) | `CollectiveAllReduce`, `NCCL` | NCCL's all-reduce |
 # | CPUs and GPUs mixed | `ReductionToOneDevice` | every replica's value copied to one device, added there, the sum sent back — the naive parameter-server pattern of lesson 02 |
 #
-# The test counts the process's GPUs, not the strategy's: once any GPU is split, even one
+# TF's check counts the process's GPUs, not the strategy's: once any GPU is split, even one
 # physical GPU per replica gets `RING`.
 #
 # You can also choose: `MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())`

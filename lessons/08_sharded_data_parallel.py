@@ -171,7 +171,7 @@ zero_calculator = viz.explorer(
 # in `step()`: between the end of the backward and that reduce-scatter
 # every full gradient still exists at once, as in ZeRO-1, so it saves memory *at rest* (from
 # `step()` to the next `zero_grad()`, called here at the top of a step; a `zero_grad()` right
-# after `step()`, ours or torch's by default, drops ZeRO-1's gradients too: nothing saved),
+# after `step()`, ours, or torch's by default, drops ZeRO-1's gradients too: nothing saved),
 # not at the rank's fullest moment, its **peak**.
 #
 # ### Lab 08: ZeRO-2 that earns its memory
