@@ -802,7 +802,8 @@ viz.quiz(quizzes.questions("02"))
 # ## Sources
 #
 # Every statement this lesson makes about PyTorch's own `nn.DataParallel` was checked in the
-# installed torch 2.14.1 (paths relative to `site-packages`):
+# installed torch 2.14.1 (paths relative to `site-packages`), or, where a bullet says so, in its
+# upstream C++ source:
 #
 # - `torch/nn/parallel/data_parallel.py` — `DataParallel.__init__` (lines 145-149): when
 #   `_get_available_device_type()` returns `None` or `"mps"`, `device_ids = []`; otherwise the

@@ -646,7 +646,8 @@ claim("at every cap the predicted saving is at least 0 and at most min(B, C − 
 # %% [markdown]
 # **▶ The sign test behind every verdict below**: `needed`, the
 # wins a run needs for a clear verdict; `compare` and `verdict`, round by round, each verdict
-# with its effect size; `sweep_verdict`, the bucket sweep's, held to the noise floor.
+# with its effect size; `sweep_verdict`, the bucket sweep's verdict, held to the noise floor of
+# identical work (25 MiB against one bucket).
 
 # %% jupyter={"source_hidden": true}
 import statistics
@@ -1056,7 +1057,7 @@ viz.show(viz.bucket_sweep_figure(sweep, noise_ms, counts=False),
 # (lesson 06), so a hundred of them cost more than their bytes; one bucket pays α once but
 # cannot leave before the backward has finished, so nothing overlaps. Where overlap pays, that
 # makes a U, slow at both ends: Li et al. (VLDB 2020, the DDP paper) measured the middle caps
-# winning on GPUs with NCCL. The bars alone cannot show it here; only the verdicts above, held
+# winning on GPUs with NCCL. The bars alone cannot show a U here; only the verdicts above, held
 # to identical work's noise floor, say what this run shows: a U, only the small caps' α, or
 # nothing it can resolve. The runs here pass `bucket_cap_mb=25` (section 3: the default would
 # put a 1 MiB bucket first).
