@@ -143,12 +143,12 @@ def _growing_slowest_sentence(timed: dict) -> str:
     if len(sizes) < 2:
         return ""
     small, large = min(sizes), max(sizes)
-    (step, longest), shortest = timed[large][1], timed[small][1][1]
-    if longest <= shortest + 1:
+    (step, slowest_large), slowest_small = timed[large][1], timed[small][1][1]
+    if slowest_large <= slowest_small + 1:
         return ""
-    return (f" Your slowest step grows with N ({shortest} transfer times on {small} ranks, "
-            f"{longest} on {large}, its step {step}): there a run of neighbouring ranks that "
-            f"make the same first call wait for one another in a chain. The contract judges "
+    return (f" Your slowest step grows with N ({slowest_small} transfer times on {small} ranks, "
+            f"{slowest_large} on {large}, its step {step}): there a run of neighbouring ranks "
+            f"that make the same first call wait for one another in a chain. The contract judges "
             f"the average, which stays bounded, because that chain is paid once and the steps "
             f"after it overlap it; an order with no long run of ranks making the same first "
             f"call keeps even its slowest step from growing.")

@@ -42,7 +42,6 @@ from pathlib import Path
 # jsonschema's format checkers, about 2.5 s of CPU, which `python -m dpcourse build --help`
 # (and every `--help` the docs test runs) should not pay.
 
-
 __all__ = ["build", "make_lab", "check_sync", "sources", "main", "ROOT", "TimeEstimate",
            "estimate_time", "header_minutes", "folded", "keep_ids", "write_keeping_ids"]
 

@@ -51,8 +51,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # nbformat is imported where it is used, for the reason tools/authoring.py gives.
-
-
 from dpcourse.tools.authoring import ROOT
 
 __all__ = ["Block", "Report", "english_hash", "shape", "parse", "render", "read_blocks", "status",

@@ -55,7 +55,8 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
     fig = new_figure(8.5, 1.2 + 1.1 * len(modes) * max(len(v) for v in spans.values()) / 2)
     colours = {"compute": "#1f77b4", "sleep": "#f7c6c7", "wait": "#d9d9d9"}
     left, right = 0.16, 0.98
-    tick = 1.5 * budget * 1.15 / (fig.get_figwidth() * fig.dpi * (right - left))  # 1.5 px in s
+    shown = budget * 1.15   # the seconds every panel's x axis spans
+    tick = 1.5 * shown / (fig.get_figwidth() * fig.dpi * (right - left))  # 1.5 px in s
     for i, mode in enumerate(modes):
         ax = fig.add_subplot(len(modes), 1, i + 1)
         workers = sorted(spans[mode])
@@ -76,7 +77,7 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
         ax.set_yticklabels([f"worker {w}" + (" (slow)" if w == workers[-1] else "")
                             for w in workers], fontsize=8)
         ax.set_title(f"{mode}: {applied[mode]} gradients applied", fontsize=9)
-        ax.set_xlim(0, budget * 1.15)
+        ax.set_xlim(0, shown)
         if i == len(modes) - 1:
             ax.set_xlabel("seconds (dotted: the budget; blue/red: computing, pink: the slow "
                           "worker's injected sleep, grey: waiting)")
