@@ -734,27 +734,17 @@ claim("loaded back into a fresh sharded model, every rank's shards are equal",
 
 # %% [markdown]
 # What `Shard(dim=0)` leaves on rank 0: the first of N chunks along dimension 0 (FSDP2 pads
-# only its storage: the last ranks' tensors are shorter, or empty), every other dimension whole. The biases' shapes are printed;
-# the weights' are only checked here, since which features each dimension of an
-# `nn.Linear` weight holds is lab 11's part 3.
+# only its storage: the last ranks' tensors are shorter, or empty), every other dimension
+# whole. The claim checks every parameter; the biases' shapes are printed.
 
 # %%
 for name, kind, full, local, placement in tour[0]["shards"]:
-    if len(full) == 1:                             # the biases (the weights: folded below)
+    if len(full) == 1:                             # the biases
         print(f"{name:>10}: full {full}, rank 0 holds {local}")
 claim(f"for every parameter, rank 0's shard has the shape of a dim-0 chunk: ceil(size of "
       f"dim 0 / {world_size}) along dimension 0, the other dimensions whole",
       all(local[0] == zero.shard_numel(full[0], world_size) and local[1:] == full[1:]
           for name, kind, full, local, placement in tour[0]["shards"]))
-
-# %% [markdown]
-# **▶ The weights' shapes, full and rank 0's — open after lab 11 passes** (they answer lab
-# 11's part 3; click the folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-for name, kind, full, local, placement in tour[0]["shards"]:
-    if len(full) > 1:
-        print(f"{name:>10}: full {full}, rank 0 holds {local}")
 
 # %% [markdown]
 # And in fp32, FSDP2 from the first launch against torch DDP, and its traffic against the
@@ -800,18 +790,12 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # tensors. After the backward it does not hook each parameter: it wraps the module's *inputs*
 # in an autograd function whose backward runs when the whole module's backward is done, and
 # calls the group's `post_backward` (free, then reduce-scatter, as section 4's `Zero3`). The
-# first `Linear` here, which gets the data, has no such function: its reduce-scatter runs
-# from the root's final callback, a function the root queues for the end of the whole
-# backward (`_root_post_backward_final_callback` runs `post_backward` for every group the
-# backward did not reach).
-
-# %% [markdown]
-# <details><summary>▶ Why the first Linear has none — open after lab 11's part 6 passes</summary>
-#
-# FSDP2 wraps only the inputs that require a gradient (`_register_post_backward_hook`,
-# `_fsdp_param_group.py`, returns early when it finds none), and the data requires none.
-#
-# </details>
+# first `Linear` here, which gets the data, has no such function: FSDP2 wraps only the
+# inputs that require a gradient (`_register_post_backward_hook` returns early when it finds
+# none), and the data requires none. Its reduce-scatter runs from the root's final
+# callback, a function the root queues for the end of the whole backward
+# (`_root_post_backward_final_callback` runs `post_backward` for every group the backward
+# did not reach).
 
 # %% [markdown]
 # Inside a group's `post_backward` the order is our `Zero3`'s (section 4). FSDP2 gathers and

@@ -70,8 +70,8 @@ torch.set_num_threads(1)
 # keeps from its forward for its backward. Each data-parallel rank runs every layer on its
 # own micro-batch, so its activations are those of a whole layer on a whole micro-batch,
 # whatever N is. For a transformer layer Korthikanti et al. (2022) count them, in 16-bit
-# floats, for a sequence of s tokens, a micro-batch of b sequences, width d (their h; in this
-# lesson h is the MLP's hidden size, section 2) and a heads: `s·b·d·(34 + 5·a·s/d)` bytes.
+# floats, for a sequence of s tokens, a micro-batch of b sequences, width d and a heads:
+# `s·b·d·(34 + 5·a·s/d)` bytes.
 # *Tensor parallelism* of size t (t ranks each keep a slice of every layer's weight
 # matrices and compute that slice's share of the layer; section 2 builds it) divides all but
 # `10·s·b·d` of it by t; those are the tensors every tensor-parallel rank holds whole:
@@ -229,20 +229,20 @@ claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradie
 # Data parallelism with a fixed batch per rank grows the **global** batch with N. A bigger
 # batch gives a less noisy gradient, so fewer steps reach a given loss — but only up to a
 # point. McCandlish et al. ("An Empirical Model of Large-Batch Training", 2018) model the
-# steps S needed at batch B as `S = S_min·(1 + B_noise/B)`: far below B_noise, doubling B
-# halves the steps (perfect scaling); far above it, doubling B saves almost nothing, and the
-# extra GPUs are wasted. The **critical batch size** is the knee between the two: the batch at
+# steps S needed at a batch of β examples as `S = S_min·(1 + B_noise/β)`: far below
+# B_noise, doubling β halves the steps (perfect scaling); far above it, doubling β saves
+# almost nothing, and the extra GPUs are wasted. The **critical batch size** is the knee between the two: the batch at
 # which training takes twice the fewest steps and twice the fewest examples (S = 2·S_min,
-# E = 2·E_min, the examples E = B·S); in this model it is B_noise itself, and in their
+# E = 2·E_min, the examples E = β·S); in this model it is B_noise itself, and in their
 # experiments the critical batch found by training at many batch sizes tracks the noise
-# scale. B_noise = tr(HΣ)/(GᵀHG) needs the Hessian H; its cheap stand-in,
+# scale. B_noise = tr(∇²L·Σ)/(Gᵀ·∇²L·G) needs the loss's Hessian ∇²L; its cheap stand-in,
 # which they measure and find predictive, is the **simple noise scale**
-# `B_simple = tr(Σ)/|G|²` (equal to B_noise when H is a multiple of the identity): the
+# `B_simple = tr(Σ)/|G|²` (equal to B_noise when ∇²L is a multiple of the identity): the
 # per-example gradient's variance Σ, summed over parameters, against the true gradient G's
 # squared norm.
 #
 # Their appendix A measures it for free inside a data-parallel run. The expected squared norm
-# of a gradient averaged over B examples is `|G|² + tr(Σ)/B`. A DDP step sees two batch
+# of a gradient averaged over β examples is `|G|² + tr(Σ)/β`. A DDP step sees two batch
 # sizes: each rank's own gradient (b examples) *before* the all-reduce, and the averaged one
 # (N·b examples) *after* it. Two equations, two unknowns:
 
@@ -302,7 +302,7 @@ print("steps / fewest steps, at b = 16 per rank: " + ", ".join(
 claim(f"by this model, from 4 to 32 ranks (8× the GPUs) the steps fall only "
       f"{gain_4_to_32:.2f}×, not 8×", gain_4_to_32 < 2.5)
 viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
-         f"McCandlish et al.'s model S/S_min = 1 + B_noise/B evaluated (no training run), "
+         f"McCandlish et al.'s model S/S_min = 1 + B_noise/β evaluated (no training run), "
          f"with B_simple ≈ {b_simple:.0f} (measured above) standing in for B_noise: going from "
          f"4 to 32 data-parallel ranks of 16 examples cuts the steps {gain_4_to_32:.2f}×, not "
          "8× — past the critical batch, more data parallelism buys little.")
@@ -316,9 +316,8 @@ viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
 #
 # ## 2. Tensor parallelism: Megatron-LM's MLP
 # A transformer's MLP is `Y = GeLU(X·A)·B`: X is tokens × d, A is d × h, B is h × d, with
-# h = 4d (from here on B and H are the paper's matrices, not section 1's batch and Hessian,
-# and b₁, b₂ are biases). Shoeybi et al. (*Megatron-LM*, 2019) cut it over t ranks so that no weight ever
-# travels: the ranks exchange only activations and their gradients:
+# h = 4d (and b₁, b₂ are biases). Shoeybi et al. (*Megatron-LM*, 2019) cut it over t ranks
+# so that no weight ever travels: the ranks exchange only activations and their gradients:
 #
 # 1. **column-parallel** first layer: rank r keeps the r-th block of A's *columns*
 #    (d × h/t), and computes `Z_r = X·A_r`: its own h/t of the hidden features before the
@@ -1203,7 +1202,7 @@ claim(f"a layer's attention and MLP each make what section 2's MLP made (forward
 # %% [markdown]
 # The check: Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU
 # Clusters Using Megatron-LM*, SC 2021) list in their Table 1 the configurations they ran on
-# DGX A100 nodes (8 A100 80-GB GPUs each). One row has GPT-3's width — 96 heads, hidden size
+# DGX A100 nodes (8 A100 80-GB GPUs each). One row has GPT-3's width — 96 heads, width
 # 12288 — with 80 layers: 145.6 B parameters, **tensor-parallel size 8, pipeline-parallel
 # size 8**, 1536 GPUs (so data-parallel size 24), batch 2304 sequences of 2048 tokens. Their
 # takeaways (section 3): tensor parallelism up to the GPUs of a node, pipeline parallelism
@@ -1531,7 +1530,7 @@ viz.quiz(quizzes.questions("11"))
 #   bucket of this rank's gradients, before the all-reduce.
 # - `torch/nn/modules/linear.py` — `Linear.__init__` (the shape it gives `weight`: which
 #   dimension holds which features is lab 11's part 3, so this lesson states it only in
-#   folded cells, and lesson 08's FSDP2 weight shapes are folded until lab 11 passes) and
+#   folded cells, and lesson 08 prints only its FSDP2 biases' shapes) and
 #   `Linear.forward` (`F.linear(input, self.weight, self.bias)`).
 # - `torch/_meta_registrations.py` — `meta__scaled_dot_product_flash_attention`: the flash
 #   kernel's outputs, the attention and a logsumexp of shape (batch, heads, s) in fp32, which
@@ -1586,8 +1585,8 @@ viz.quiz(quizzes.questions("11"))
 # Parallelism for DNN Training*, SOSP 2019 (1F1B); Narayanan et al., *Memory-Efficient
 # Pipeline-Parallel DNN Training*, ICML 2021 (PipeDream-Flush, PipeDream-2BW); Korthikanti
 # et al., *Reducing Activation Recomputation in Large Transformer Models*, 2022 (activation
-# bytes per layer, section 4: the 10·sbh — 10·sbd here — that tensor parallelism does not
-# divide; sequence parallelism, section 4.2.2); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
+# bytes per layer, section 4: the 10·sbd, in this lesson's letters, that tensor parallelism
+# does not divide; sequence parallelism, section 4.2.2); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
 # bubble); McCandlish et al., *An Empirical Model of Large-Batch Training*, 2018 (the noise
 # scale, appendix A); Rajbhandari et al., *ZeRO*, SC 2020.
 #

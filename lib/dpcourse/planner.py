@@ -83,7 +83,7 @@ ORDERS = ("tp-pp-dp", "tp-dp-pp")
 class Transformer:
     """A GPT-style transformer: ``layers`` blocks of width ``hidden`` with ``heads`` attention
     heads, trained on sequences of ``seq_len`` tokens over a vocabulary of ``vocab``.
-    ``hidden`` is the width d (the papers' h), not section 2's h = 4d. Shown in lesson 11, §1.
+    ``hidden`` is the width d, not section 2's hidden size h = 4d. Shown in lesson 11, §1.
     """
 
     name: str
@@ -95,7 +95,7 @@ class Transformer:
 
     @property
     def num_params(self) -> float:
-        """Narayanan et al. 2021, section 5.1 (their h is the width, here d):
+        """Narayanan et al. 2021, section 5.1 (the width written d):
         12·l·d²·(1 + 13/(12d) + (V + s)/(12·l·d)), with V the vocabulary."""
         l, d = self.layers, self.hidden
         return 12 * l * d * d * (1 + 13 / (12 * d) + (self.vocab + self.seq_len) / (12 * l * d))
@@ -128,7 +128,7 @@ def activation_bytes_per_layer(model: Transformer, micro_batch: int, tp: int = 1
                                flash_attention: bool = False) -> float:
     """Bytes of activations one transformer layer keeps for its backward, on one GPU, in 16-bit
     floats (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-    Models", 2022, section 4; their h is the width, here d): ``s·b·d·(34 + 5·a·s/d)`` on one
+    Models", 2022, section 4; the width written d): ``s·b·d·(34 + 5·a·s/d)`` on one
     GPU; with tensor parallelism of size t ``s·b·d·(10 + 24/t + 5·a·s/(d·t))``: the 10·s·b·d
     not divided by t: the two layer norms' inputs (4·sbd), the two dropout masks after
     attention and MLP (2·sbd), and the inputs of the QKV matmul and of the MLP's first matmul
@@ -323,7 +323,7 @@ MEGATRON_TABLE1_145B = {"tp": 8, "pp": 8, "dp": 24, "global_batch": 2304, "tflop
 
 def megatron_flops_per_step(model: Transformer, global_batch: int) -> float:
     """Narayanan et al. 2021, equation 3: the flops of one step with activation recomputation,
-    ``96·B·s·l·d²·(1 + s/(6d) + V/(16·l·d))`` (their h is the width, here d; V the
+    ``96·β·s·l·d²·(1 + s/(6d) + V/(16·l·d))`` (β the global batch, the width written d, V the
     vocabulary) — how their Table 1 turns a step time into teraFLOP/s per GPU.
     Shown in lesson 11, §5."""
     s, l, d, v = model.seq_len, model.layers, model.hidden, model.vocab

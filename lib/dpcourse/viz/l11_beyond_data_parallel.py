@@ -53,8 +53,8 @@ def memory_wall_figure(ns, state_gb, activation_gb, gpu_gb: float, title: str,
 
 
 def noise_scale_figure(b_simple: float, per_rank: int, ranks):
-    """Steps to a given loss, relative to the fewest possible, against the global batch B:
-    S/S_min = 1 + B_noise/B (McCandlish et al. 2018) evaluated with the measured simple noise
+    """Steps to a given loss, relative to the fewest possible, against the global batch β:
+    S/S_min = 1 + B_noise/β (McCandlish et al. 2018) evaluated with the measured simple noise
     scale ``b_simple`` standing in for B_noise (labelled as such), with the global batches of
     ``ranks`` data-parallel ranks of ``per_rank`` examples marked. Drawn in lesson 11, §1."""
     import numpy as np
@@ -63,11 +63,11 @@ def noise_scale_figure(b_simple: float, per_rank: int, ranks):
     ax = fig.add_subplot(1, 1, 1)
     bs = np.logspace(0, np.log10(max(ranks) * per_rank * 4), 200)
     ax.plot(bs, 1 + b_simple / bs, color="#1f77b4",
-            label="steps / fewest steps = 1 + B_simple/B\n(B_simple standing in for B_noise)")
+            label="steps / fewest steps = 1 + B_simple/β\n(B_simple standing in for B_noise)")
     perfect = bs[0] * (1 + b_simple / bs[0]) / bs
     keep = perfect >= 0.9
     ax.plot(bs[keep], perfect[keep], color="#7f7f7f", ls=":",
-            label="perfect scaling (steps ∝ 1/B)")
+            label="perfect scaling (steps ∝ 1/β)")
     for n in ranks:
         b = n * per_rank
         ax.plot([b], [1 + b_simple / b], "o", color="#d62728")
@@ -78,7 +78,7 @@ def noise_scale_figure(b_simple: float, per_rank: int, ranks):
             fontsize=8, va="center")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("global batch B (examples)")
+    ax.set_xlabel("global batch β (examples)")
     ax.set_ylabel("steps / fewest steps")
     ax.legend(fontsize=8, loc="upper right")
     fig.subplots_adjust(left=0.11, right=0.97, bottom=0.14, top=0.95)
