@@ -134,11 +134,12 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # Traffic. Every step the server sends the K weights to each worker and receives K gradient
 # numbers from each: NK sent and NK received, **2NK through the server**. A ring rank (lesson
 # 06) sends 2(N−1)K/N and receives as much. In bytes (sent against sent), the server moves
-# **N²/(2(N−1))** times a ring rank's: 2× at N = 2, about N/2 for large N. In time, the
-# bandwidth term (α = 0) is twice that *for a server like ours, which treats the whole model
-# as one message*: in lesson 06's α-β model a ring rank sends while it receives,
-# 2(N−1)K/N·β; our server sends new weights only once every gradient is in: NK in, *then* NK out, 2NKβ, **N²/(N−1)** times the ring's
-# (4× at N = 2; computed below from lesson 06's model, not timed). Over the whole cluster the
+# **N²/(2(N−1))** times a ring rank's: 2× at N = 2, about N/2 for large N. In time, priced
+# by lesson 06's `ring.cost` at α = 0 (computed below, not timed), twice
+# that *for a server like ours, the whole model one message*: a ring rank sends while it
+# receives, 2(N−1)K/N·β; our server takes NK in, *then* sends NK out, 2NKβ, **N²/(N−1)**
+# times the ring's (4× at N = 2). With α > 0 the models part: `cost` charges the server 2
+# α terms, our serial server pays 2N (table). Over the whole cluster the
 # two send about the same (2NK against 2(N−1)K elements); the difference is *where*: one
 # server funnels it all through one network card. Production parameter servers avoid that
 # (Li et al., OSDI 2014; BytePS, Jiang et al., OSDI 2020). Per step, for the busiest node
@@ -147,7 +148,7 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 #
 # |design|sends|α terms|the network must give|
 # |---|---|---|---|
-# |ours: one server, the model one message|NK, after the NK in|2N: one worker after another, out then in (lesson 06's `cost` charges 2: all N at once)|one card carries everything|
+# |ours: one server, the model one message|NK, after the NK in|2N: one worker after another, out then in|one card carries everything|
 # |key-value server: push, pull key by key (a key: a tensor or a slice)|NK, key i out while key i+1 comes in: time tends to the byte ratio|2 per key, overlapped|one card carries everything|
 # |sharded over all N workers, each serving 1/N|2(N−1)K/N, the ring's|2 if a rank's N−1 messages leave at once (non-blocking sends), else 2(N−1)|full bisection bandwidth (any half of the machines reaches the other half at full speed): all ranks send across the network at once|
 # |BytePS: extra CPU servers|K per worker, under the ring's once N ≥ 3|2|enough servers|
@@ -170,15 +171,17 @@ claim("each worker moves 2K per step",
       all(sum(w["sync_bytes"]) == 2 * K * 4 * cfg.steps for r in ps.values() for w in r[1:]))
 ratios = {n: r[0]["sync_bytes"][0] / 4 / cfg.steps / async_sgd.ring_elements_per_rank(K, n)
           for n, r in ps.items()}
+gaps = {n: max(abs(async_sgd.ring_elements_per_rank(k_, n) - 2 * (n - 1) * k_ / n)
+               for k_ in range(K, K + n)) for n in ps}   # the chunk-by-chunk count's slack
 claim("in bytes, sent against sent, the server's / a ring rank's == N²/(2(N−1)) (to 0.1 %: "
-      "the ring count is chunk by chunk, 2(N−1)K/N when N divides K and within 2 elements of "
-      "it otherwise): " + ", ".join(f"N={n}: {v:.2f}" for n, v in ratios.items()),
+      f"the ring count is chunk by chunk, at most {max(gaps.values()):.2f} elements from "
+      f"2(N−1)K/N for K = {K}..{K + max(ps) - 1}, under 2): "
+      + ", ".join(f"N={n}: {v:.2f}" for n, v in ratios.items()),
       all(math.isclose(v, n * n / (2 * (n - 1)), rel_tol=1e-3) for n, v in ratios.items())
-      and all(abs(async_sgd.ring_elements_per_rank(k_, n) - 2 * (n - 1) * k_ / n) < 2
-              for n in ps for k_ in range(K, K + n)))
+      and max(gaps.values()) < 2, gaps=gaps)
 times = {n: ring.cost("parameter-server", n, 4 * K, 0, 1).seconds   # lesson 06's prices,
          / ring.cost("ring", n, 4 * K, 0, 1).seconds for n in ps}   # alpha 0: bandwidth only
-claim(f"in time, the bandwidth term (α = 0; the model one message: in, then out): the "
+claim(f"in time, by ring.cost, the bandwidth term (α = 0; the model one message: in, then out): the "
       f"server's 2NKβ / a ring rank's 2(N−1)K/N·β == N²/(N−1), twice the byte ratio, per N: {times}",
       all(math.isclose(v, n * n / (n - 1)) and abs(v / ratios[n] - 2) < 2e-3
           for n, v in times.items()))
@@ -203,8 +206,9 @@ viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
 
 # %% [markdown]
 # **Asynchronous mode** drops the wait: the server applies each gradient the moment it
-# arrives and sends the new weights back to that worker alone. Nobody waits for the slowest
-# worker (here the last one sleeps a little per gradient, a straggler). The price: while a
+# arrives and sends the new weights back to that worker alone. No worker waits for the slowest
+# (here the last one sleeps a little per gradient, a straggler), only for its own round trip
+# to the server. The price: while a
 # worker computed, others pushed, so its gradient was computed on weights that are now
 # several updates old — it is **stale**. Each message carries the version of the weights
 # (the number of updates so far), so the server can count the staleness of every update.
@@ -258,54 +262,61 @@ waited = {m: {w: sum(b - a for kind, a, b in race[w][m]["spans"] if kind == "wai
 # %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # Why: how many gradients fit in the budget depends on this machine's speed and load.
+print(f"asynchronous / synchronous gradients applied in the same {race_cfg.budget:g} s: "
+      f"{applied['async'] / applied['sync']:.1f}× ({applied['async']} against {applied['sync']})")
 for m in ("sync", "async"):
     print(f"{m:>5}: {applied[m]:>4} gradients applied in {race_cfg.budget:g} s; test loss "
           f"{race[0][m]['loss']:.3f} (from {race[0]['loss_before']:.3f}); the fast worker "
           f"waited {waited[m][1]:.0%} of its time, the straggler {waited[m][2]:.0%}")
-print(f"asynchronous / synchronous gradients applied: {applied['async'] / applied['sync']:.1f}×")
-stale = race[0]["async"]["staleness"]
-print(f"async staleness: mean {sum(stale) / len(stale):.1f}, largest {max(stale)}")
 fast = race[1]["async"]["spans"]
 compute_ms = [1e3 * (b - a) for kind, a, b in fast if kind == "compute"]
 wait_ms = [1e3 * (b - a) for kind, a, b in fast if kind == "wait"][1:]  # after each push
 wait_med, wait_mean = statistics.median(wait_ms), statistics.mean(wait_ms)
 long_ms = [x for x in wait_ms if x > 10 * wait_med]                      # the stalls
-print(f"asynchronous, the fast worker: {len(compute_ms)} gradients, "
-      f"{statistics.median(compute_ms):.1f} ms each to compute (median); from each push to the "
-      f"server's answer (the push, the server's step, the new weights) it waited {wait_med:.2f} ms "
-      f"(median), {wait_mean:.1f} ms on average, {max(wait_ms):.0f} ms at most; the "
-      f"{len(long_ms)} waits over 10× the median hold {sum(long_ms) / sum(wait_ms):.0%} of its waiting, on {os.cpu_count()} cores shared by the "
-      "server, 2 workers and this notebook")
-typical_mean = statistics.mean([x for x in wait_ms if x <= 10 * wait_med])  # the stalls left out
-gap = wait_mean - wait_med
-print(f"Its mean wait sits {gap:.3f} ms above its median; without the stalls (over 10× the median) "
-      f"the mean would be {typical_mean:.3f} ms: the stalls explain " + (
-          f"{(wait_mean - typical_mean) / gap:.0%} of that gap, the spread of the ordinary waits "
-          "the rest" if gap > 0 else "nothing: the mean is not above the median") + ".")
+print(f"Asynchronous removed the wait for the straggler, not the round trip: the fast worker "
+      f"still waited {waited['async'][1]:.0%} of its time, {wait_med:.2f} ms from each push to "
+      f"the server's answer against {statistics.median(compute_ms):.1f} ms computing (medians)")
 slow_ms = statistics.median(1e3 * (b - a) for k, a, b in race[2]["async"]["spans"] if k == "compute")
 claim(f"the straggler computed a gradient in {slow_ms:.1f} ms (median), then slept "
       f"{1e3 * race_cfg.straggler_delay:g} ms: its sleep, not its computing, makes it slow",
       slow_ms < 1e3 * race_cfg.straggler_delay, slow_ms=slow_ms)
 sync_loss, async_loss = race[0]["sync"]["loss"], race[0]["async"]["loss"]
 ended = [max(b for w in (1, 2) for _, _, b in race[w][m]["spans"]) for m in ("sync", "async")]
-print("the workers' last spans ended at %.3f s (sync) and %.3f s (async): what was in flight landed" % tuple(ended))
 n_fast, n_slow = (sum(k == "compute" for k, _, _ in race[w]["async"]["spans"]) for w in (1, 2))
 rounds = sum(k == "compute" for k, _, _ in race[2]["sync"]["spans"])  # a round waits for the straggler
-print(f"Where the gain comes from (accounting, not a prediction): asynchronous, the server applied "
-      f"the fast worker's {n_fast} gradients and the straggler's {n_slow}; synchronous, 2 per round, "
-      f"and a round ends with the straggler's gradient: {rounds} rounds. So the gain is "
-      f"({n_fast} + {n_slow})/(2·{rounds}) = {(n_fast + n_slow) / (2 * rounds):.2f}×, the measured "
-      f"{applied['async'] / applied['sync']:.2f}×. The straggler, paced by its own "
-      f"{1e3 * race_cfg.straggler_delay:g} ms sleep in both modes, finished about as many gradients "
-      f"in each ({n_slow} and {rounds}), so the gain is about (n_fast/n_slow + 1)/2 = "
-      f"{(n_fast / n_slow + 1) / 2:.2f}×: set by how many times the fast worker cycles per straggler "
-      "gradient; 1× without a straggler.")
+typical_mean = statistics.mean([x for x in wait_ms if x <= 10 * wait_med])  # the stalls left out
+gap = wait_mean - wait_med
 updates = {"sync": applied["sync"] // (len(race) - 1), "async": applied["async"]}  # sync: a step a round
-print(f"In the same {race_cfg.budget:g} s, asynchronous reached a test loss of {async_loss:.3f} "
-      f"against synchronous {sync_loss:.3f}" + (", lower" if async_loss < sync_loss else ", not lower")
-      + f". Not from the gradients alone: synchronous stepped once per round with their mean "
-      f"({updates['sync']} updates), asynchronous once per gradient at the same lr "
-      f"({updates['async']} updates, {updates['async'] / updates['sync']:.1f}× as many).")
+with viz.folded_output("▶ more of this run: staleness, the waits' spread, where the gain comes "
+                       "from, the losses"):
+    stale = race[0]["async"]["staleness"]
+    print(f"async staleness: mean {sum(stale) / len(stale):.1f}, largest {max(stale)}")
+    print(f"the fast worker's waits: {wait_mean:.1f} ms on average, {max(wait_ms):.0f} ms at "
+          f"most; the {len(long_ms)} over 10× the median hold {sum(long_ms) / sum(wait_ms):.0%} "
+          f"of its waiting, on {os.cpu_count()} cores shared by the server, 2 workers and this "
+          "notebook")
+    print(f"Its mean wait sits {gap:.3f} ms above its median; without the stalls (over 10× the "
+          f"median) the mean would be {typical_mean:.3f} ms: the stalls explain " + (
+              f"{(wait_mean - typical_mean) / gap:.0%} of that gap, the spread of the ordinary "
+              "waits the rest" if gap > 0 else "nothing: the mean is not above the median") + ".")
+    print("the workers' last spans ended at %.3f s (sync) and %.3f s (async): what was in "
+          "flight landed" % tuple(ended))
+    print(f"Where the gain comes from (accounting, not a prediction): asynchronous, the server "
+          f"applied the fast worker's {n_fast} gradients and the straggler's {n_slow}; "
+          f"synchronous, 2 per round, and a round ends with the straggler's gradient: {rounds} "
+          f"rounds. So the gain is ({n_fast} + {n_slow})/(2·{rounds}) = "
+          f"{(n_fast + n_slow) / (2 * rounds):.2f}×, the measured "
+          f"{applied['async'] / applied['sync']:.2f}×. The straggler, paced by its own "
+          f"{1e3 * race_cfg.straggler_delay:g} ms sleep in both modes, finished about as many "
+          f"gradients in each ({n_slow} and {rounds}), so the gain is about (n_fast/n_slow + 1)/2 "
+          f"= {(n_fast / n_slow + 1) / 2:.2f}×: set by how many times the fast worker cycles per "
+          "straggler gradient; 1× without a straggler.")
+    print(f"In the same {race_cfg.budget:g} s, asynchronous reached a test loss of "
+          f"{async_loss:.3f} against synchronous {sync_loss:.3f}"
+          + (", lower" if async_loss < sync_loss else ", not lower")
+          + f". Not from the gradients alone: synchronous stepped once per round with their mean "
+          f"({updates['sync']} updates), asynchronous once per gradient at the same lr "
+          f"({updates['async']} updates, {updates['async'] / updates['sync']:.1f}× as many).")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -333,18 +344,17 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
       applied["async"] >= 1.3 * applied["sync"], applied=applied)
 
 # %% [markdown]
-# How many more is set by how much slower the straggler is (printed above: "where the gain
+# How many more is set by how much slower the straggler is (folded above: "where the gain
 # comes from"): one twice as slow would give about (2 + 1)/2 = 1.5×.
 #
 # More gradients per second, but not free ones: the straggler's gradients arrive many updates
 # stale (the largest staleness above). The losses above compare more gradients *and* more
 # steps of the same lr, not gradients alone (like for like would scale the lr; not run here);
 # at a larger step, staleness can make training
-# diverge — the question the rest of this section answers. And the fast worker still waits in
-# asynchronous mode: not for the straggler, but from each push to the server's answer. The
+# diverge — the question the rest of this section answers. The fast worker's
 # typical wait (the median, printed above) is an upper bound on the round trip itself (2K
-# numbers through gloo and the server's step); how far the mean sits above it, and how much of
-# that the rare long waits explain, is printed above. The spans record when the worker
+# numbers through gloo and the server's step); the mean and the rare long waits: folded
+# above. The spans record when the worker
 # waited, not why: the run cannot tell a descheduled server from a descheduled worker or
 # another program.
 #
@@ -808,13 +818,14 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   times its bandwidth term (α = 0) when the model is one message (in, then out, as here);
 #   a key-value server, key by key, overlaps the two, towards the byte ratio.
 # - Asynchronous, its workers stop waiting for the straggler (timed: more gradients in the
-#   same second; the fast worker then waits only for the server's answers to its own
-#   pushes), and its gradients are stale. In the simulator τ = 0 is SGD exactly; over the
+#   same second; the round trip to the server remains, its share printed in §1), and its
+#   gradients are stale. In the simulator τ = 0 is SGD exactly; over the
 #   sweep's seeds, the
 #   delay at which most runs diverged (ended above their start) shrank as the step grew, and
 #   near it the seeds split;
 #   dividing the step by the staleness rescued most of the large step's runs, at the price of
-#   slower progress (what the *awareness* added: folded after lab 09's pointer).
+#   slower progress; whether the *awareness* adds more than a smaller lr: the folded check
+#   after lab 09's pointer.
 # - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP for SGD
 #   (with momentum and weight decay too), not for Adam (measured),
 #   communication falls as 1/H, the replicas drift further apart as H grows (measured), and on

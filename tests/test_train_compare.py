@@ -101,6 +101,10 @@ def test_rate_shape_names_the_steps_it_sees():
               64: [888, 865, 825, 887, 759, 848, 672], 256: [610, 579, 640, 674, 629, 651, 855]}
     shape, sentence = rate_shape(stored)
     assert shape == "peak" and sentence.endswith("a peak at batches 32 to 64, then slower"), sentence
+    # outliers=0: a step won in 6 of 7 rounds no longer counts, so the stored run shows no shape
+    assert rate_shape(stored, outliers=0)[0] == "flat"
+    assert rate_verdict([10] * 5, [8, 8, 30, 8, 8], outliers=0) == ("unclear", "")
+    assert compare_rates("a", [1] * 7, "b", [2] * 7, outliers=0).startswith("b was faster than a in every run of 7")
     assert rate_shape({16: same, 32: up, 64: [3] * 7})[0] == "rising"
     assert rate_shape({16: same, 32: up, 64: up})[0] == "plateau"
     assert rate_shape({16: same, 32: up, 64: same})[1].endswith("a peak at batch 32, then slower")

@@ -298,10 +298,11 @@ def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
     return parts
 
 
-def rate_verdict(runs_a, runs_b) -> tuple[str, str]:
+def rate_verdict(runs_a, runs_b, outliers: int = 1) -> tuple[str, str]:
     """Whether throughputs ``runs_b`` beat ``runs_a`` (higher is faster), by
     :func:`compare_rates`' rule: ``(word, how)`` with ``word`` "faster", "slower" or "unclear"
     and ``how`` "in every run of n rounds", "in all but one of n rounds", "in every run" or "".
+    ``outliers=0`` drops "all but one": only a clean sweep of the rounds counts.
 
     Shown in lesson 01, §"Throughput, and where the time goes"; lesson 02, §"Why it is slow".
     """
@@ -315,7 +316,7 @@ def rate_verdict(runs_a, runs_b) -> tuple[str, str]:
         for count, word in ((wins, "faster"), (losses, "slower")):
             if n >= 3 and count == n:
                 return word, f"in every run of {n} rounds"
-            if n >= 5 and count == n - 1:
+            if n >= 5 and count == n - 1 and outliers >= 1:
                 return word, f"in all but one of {n} rounds"
     elif min(runs_b) > max(runs_a):
         return "faster", "in every run"
@@ -337,7 +338,7 @@ def sign_test_p(runs_a, runs_b) -> float:
     return min(1.0, 2 * sum(math.comb(n, j) for j in range(k, n + 1)) / 2 ** n) if n else 1.0
 
 
-def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
+def compare_rates(name_a: str, runs_a, name_b: str, runs_b, outliers: int = 1) -> str:
     """One sentence comparing two sets of repeated throughputs (higher is faster), computed
     from the runs.
 
@@ -348,12 +349,13 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
     ranges: "in every run" only when they do not overlap. Anything else is "no clear
     difference" (:func:`rate_verdict` decides). The ratio printed is median(b) / median(a);
     for interleaved rounds, so is the sign test's p (:func:`sign_test_p`): at 7 rounds "all
-    but one" has p = 0.125, at 5 rounds 0.375 — one outlier tolerated costs that much.
+    but one" has p = 0.125, at 5 rounds 0.375 — one outlier tolerated costs that much;
+    ``outliers=0`` tolerates none (every round of 7: p = 0.0156).
 
     Shown in lesson 01, §"Throughput, and where the time goes"; lesson 02, §"Why it is slow".
     """
     runs_a, runs_b = list(runs_a), list(runs_b)
-    word, how = rate_verdict(runs_a, runs_b)
+    word, how = rate_verdict(runs_a, runs_b, outliers)
     ratio = statistics.median(runs_b) / statistics.median(runs_a)
     paired = len(runs_a) == len(runs_b)
     p = f"; sign test p = {sign_test_p(runs_a, runs_b):.3g}" if paired else ""
@@ -364,11 +366,12 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b) -> str:
             f"(medians: {name_b} at {ratio:.2f}x {name_a}'s speed, within the spread).")
 
 
-def rate_shape(runs_by_size: dict) -> tuple[str, str]:
+def rate_shape(runs_by_size: dict, outliers: int = 1) -> tuple[str, str]:
     """The shape of throughput against batch size, named from its steps: each size against the
     next larger one by :func:`rate_verdict` (a step "rose" or "fell" only where that rule says
     "faster" or "slower"; "no clear change" otherwise). When no step is clear, the smallest
-    size against the largest decides between "rising", "falling" and "flat".
+    size against the largest decides between "rising", "falling" and "flat". ``outliers`` is
+    :func:`rate_verdict`'s (0: a step counts only when one size won every round).
 
     Returns ``(shape, sentence)``: ``shape`` is "rising" (no step fell and the last one rose,
     or no step is clear and the largest size beat the smallest), "plateau" (rose, then no
@@ -384,7 +387,7 @@ def rate_shape(runs_by_size: dict) -> tuple[str, str]:
     verb = {"faster": "rose", "slower": "fell", "unclear": "showed no clear change"}
     steps = []                                     # [from size, to size, word]: one per run
     for a, b in zip(sizes, sizes[1:]):             # of equal words, consecutive steps merged
-        word = rate_verdict(runs_by_size[a], runs_by_size[b])[0]
+        word = rate_verdict(runs_by_size[a], runs_by_size[b], outliers)[0]
         if steps and steps[-1][2] == word:
             steps[-1][1] = b
         else:
@@ -392,7 +395,7 @@ def rate_shape(runs_by_size: dict) -> tuple[str, str]:
     told = ", ".join(f"{verb[w]} from batch {a} to {b}" for a, b, w in steps)
     words = [w for _, _, w in steps]
     if "slower" not in words and "faster" not in words:
-        ends = rate_verdict(runs_by_size[sizes[0]], runs_by_size[sizes[-1]])[0]
+        ends = rate_verdict(runs_by_size[sizes[0]], runs_by_size[sizes[-1]], outliers)[0]
         shape = {"faster": "rising", "slower": "falling", "unclear": "flat"}[ends]
         return shape, (f"{told}; batch {sizes[-1]} against batch {sizes[0]}: "
                        + {"rising": "faster, a slow rise", "falling": "slower, a slow fall",
