@@ -37,14 +37,16 @@
 #    code at a time — on the default CPython build, the one this course runs ("Why it is
 #    slow" checks it); the optional free-threaded build, experimental in 3.13 and supported
 #    from 3.14, has none);
-# 4. **gather** the outputs on device 0, compute the loss there, and `backward()`: autograd
-#    carries the replicas' gradients back to the original parameters on device 0.
+# 4. **gather** the outputs on device 0 (the first listed device, `device_ids[0]`, which holds
+#    the parameters; the outputs go to `output_device`, which defaults to it), compute the loss
+#    there, and `backward()`: autograd carries the replicas' gradients back to the original
+#    parameters on device 0.
 #
 # Then we see what the real `nn.DataParallel` does on *your* machine, count its costs and time
 # them (each timing says whether it could tell).
 #
-# Without GPUs, our "devices" are all the CPU: the copies are real copies, the threads are real
-# threads, and every number that would cross a PCIe link (the bus between a GPU and the rest of
+# Without GPUs, our "devices" are all the CPU: the copies and the threads are real, and every
+# number that would cross a PCIe link (the bus between a GPU and the rest of
 # the machine; NVLink is NVIDIA's faster direct link between GPUs) can be counted.
 
 # %% tags=["parameters"]
@@ -811,7 +813,9 @@ viz.quiz(quizzes.questions("02"))
 #   `device_ids` → `self.module(*inputs)`; otherwise `self.scatter` first, then with one device
 #   the module on it (no `replicate`: what `real_data_parallel` observes); otherwise
 #   `replicate(self.module, self.device_ids[:len(inputs)])` (fewer devices when the batch gives
-#   fewer chunks), `self.parallel_apply` (the method `real_data_parallel` counts), `gather` on `output_device` (device 0 by default). (What
+#   fewer chunks), `self.parallel_apply` (the method `real_data_parallel` counts), `gather` on
+#   `output_device` (`device_ids[0]` by default, lines 157-158; the parameters must be on
+#   `src_device_obj`, `device_ids[0]`: lines 164, 178-183). (What
 #   the class docstring says of replica 0's buffers is lab 02's part 5: folded at the end.)
 # - `torch/_utils.py` — `_get_available_device_type` (lines 819-833): `"cuda"` if
 #   `torch.cuda.is_available()`, else `"mps"`, else `"xpu"`, `"mtia"` or the PrivateUse1

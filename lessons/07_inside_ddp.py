@@ -147,9 +147,7 @@ for kind in ("after_backward", "per_parameter"):
 #
 # **Lab 07, part 1 — now.** Before reading on, open
 # [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) and write `assign_buckets` by DDP's rule.
-# Its part 2 (a wrapper that launches its buckets strictly in bucket order and makes every
-# gradient a view of its bucket) and its stretch (a communication hook of your own) wait until
-# the end of section 6.
+# Its part 2 and its stretch wait until the end of section 6.
 #
 # Our `overlap.assign_buckets` stands in for the **rebuilt** buckets, walking the parameters
 # reversed (so a convolution's bias before its weight). Real DDP's own buckets, read from its
@@ -420,9 +418,8 @@ viz.show(viz.reducer_figure(),
 
 # %% [markdown]
 # - **In-order launch.** The reducer launches its buckets **strictly in bucket order**: a bucket
-#   that is complete before the ones ahead of it is not launched before them (how it does that
-#   is lab07's part 2, folded after its pointer in section 6). Buckets made from the
-#   registration order (ours; DDP's with `find_unused_parameters=True`, never rebuilt) fill
+#   that is complete before the ones ahead of it is not launched before them. Buckets made from
+#   the registration order (ours; DDP's with `find_unused_parameters=True`, never rebuilt) fill
 #   out of order whenever a layer is registered before one it follows; DDP's default buckets,
 #   rebuilt once from the first backward's order, only when a later backward's order differs
 #   (a forward that takes another branch). Launching in bucket order makes the i-th
@@ -436,13 +433,9 @@ viz.show(viz.reducer_figure(),
 #   view is dropped every step: autograd writes a fresh tensor outside the bucket, so every
 #   step pays a copy into the bucket again (DDP's docstring says so; both cases measured at the
 #   end of section 6). Without views (the default), the reducer
-#   copies each gradient in, and the average back after the wait. How the reducer knows which
-#   case a gradient is in, and what it does in each, is lab07's part 2, folded with the rest of
-#   its reference answer.
+#   copies each gradient in, and the average back after the wait.
 #
-# Lab07's part 2 asks you for both (after section 6). Its check runs a model whose buckets
-# fill out of order and one of whose parameters is frozen (`requires_grad=False`, no gradient:
-# it belongs in no bucket).
+# Lab07's part 2 asks you for both, and how the reducer does them (after section 6).
 
 # %% [markdown]
 # ## 4. Measuring the overlap on a CPU — and predicting it
@@ -1359,28 +1352,38 @@ def unused_worker(rank, world_size):
     try:
         model.finish_gradient_synchronization()
     except RuntimeError as err:
-        return str(err)
+        said = str(err)
+    # and, on toys, two tools lab07's stretch needs: futures joined, a list gathered
+    a = dist.all_reduce(torch.tensor([rank + 1.0]), async_op=True).get_future()
+    b = dist.all_reduce(torch.tensor([10.0 * rank]), async_op=True).get_future()
+    both = torch.futures.collect_all([a, b]).then(lambda f: [x.value()[0] for x in f.value()])
+    parts = [torch.empty(1) for _ in range(world_size)]
+    dist.all_gather(parts, torch.tensor([float(rank)]))
+    return said, [t.item() for t in both.wait()], [t.item() for t in parts]
 
 
-said = launch.spawn(unused_worker, world_size, backend="gloo", timeout=60)[0]
+said, joined, gathered = launch.spawn(unused_worker, world_size, backend="gloo", timeout=60)[0]
 print(said)
 claim("a parameter without a gradient gets a sentence naming it, not a hang",
       "unused.bias" in said and "find_unused_parameters" in said)
+n = world_size
+claim(f"collect_all's future completes once both all-reduces have, with both sums {joined}; "
+      f"all_gather fills one list entry per rank: {gathered}",
+      joined == [n * (n + 1) / 2, 5.0 * n * (n - 1)] and gathered == [float(r) for r in range(n)])
 
 # %% [markdown]
 # - **`static_graph=True`** tells DDP the set of used parameters and their order never change,
 #   so it can skip the per-iteration graph walk and rebuild once for good.
 # - **`no_sync()`** (lesson 04) skips the hooks' all-reduces for gradient accumulation; in our
 #   wrapper that would be a flag the hook checks before copying into the bucket.
-# - **A C++ reducer** that launches buckets in bucket order and can make gradients views of
-#   the buckets (section 3's picture; lab07 has you build both), and on GPUs NCCL streams that
-#   run the transfers beside the compute.
+# - **A C++ reducer** (section 3's picture), and on GPUs NCCL streams that run the transfers
+#   beside the compute.
 #
 # ## Lab 07, part 2 and the stretch — now
 # Back to [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb): part 2 is the wrapper of
-# section 3's picture, buckets launched strictly in bucket order and every gradient a view of
-# its bucket, which names a parameter without a gradient as this section's class does; the
-# stretch is a communication hook of your own (section 5), top-k with error feedback.
+# section 3's picture, which names a parameter without a gradient as this section's class
+# does; the stretch is a communication hook of your own (section 5), top-k with error
+# feedback, built with the two tools tried above.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (how the reducer keeps bucket

@@ -269,7 +269,7 @@ claim('with no timeout=, "gloo" and "cpu:gloo,cuda:nccl" both wait 30 minutes; N
 # %% [markdown]
 # **On NCCL the same hang looks different, and it depends on whether the group's NCCL
 # communicator already exists.** NCCL forms it lazily, at the first collective on a GPU tensor,
-# unless `init_process_group` was given a `device_id` (lesson 00). If bug 1's all-reduce *is*
+# unless `init_process_group` was given a `device_id` (lesson 03). If bug 1's all-reduce *is*
 # that first collective, rank 0 blocks inside the call while the communicator is set up (in
 # blocking mode by default, `ProcessGroupNCCL::useNonblocking()` off), waiting for a rank that
 # never comes; no work is queued yet, so the group's timeout has nothing to fire on. Once the

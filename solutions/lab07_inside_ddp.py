@@ -171,40 +171,25 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 #
 # **The contract.** `BucketedDDP(module, bucket_cap_mb=25.0)` is an `nn.Module` whose forward
 # is the module's (given), with `self.buckets` from your `assign_buckets` (given) and a method
-# `finish_gradient_synchronization()`. A training step is `loss.backward()`, then
-# `finish_gradient_synchronization()`, then the optimizer's step. Afterwards:
+# `finish_gradient_synchronization()`. A training step is the caller's usual `zero_grad`, then
+# `loss.backward()`, then `finish_gradient_synchronization()`, then the optimizer's step. In
+# every step, when `finish_gradient_synchronization()` returns:
 #
 # - every trainable `p.grad` holds the **average over the ranks** of that parameter's gradient
-#   (to a relative 1e-4: where you divide by the world size is yours to decide, and only the
-#   result is checked), and after any number of steps the weights equal real DDP's on the
-#   same shards;
-# - every trainable `p.grad` **is a view of its bucket** — a slice of one flat buffer per bucket,
-#   shaped like `p` (DDP's `gradient_as_bucket_view=True`): autograd accumulates straight into
-#   the bucket and the reduced buffer *is* the average, nothing is copied back. This holds in
-#   every step, whether the step began with `zero_grad(set_to_none=True)` (autograd then hands
-#   the hook a fresh tensor) or `set_to_none=False` (gradients zeroed in place);
-# - each bucket is reduced by **one asynchronous all-reduce of its flat buffer** per step,
-#   launched from the gradient hooks **during the backward**, never waited on inside a hook;
-# - the i-th all-reduce every rank issues is **bucket i's**, whatever order that rank's
-#   backward produced its gradients in. Buckets can fill out of order — the check's model
-#   registers its output layer *before* the hidden layer it follows, so the output layer's
-#   bucket is complete first — and the ranks must still agree on which buffer each
-#   all-reduce sums;
-# - within that order, **no bucket goes on the wire later than it must**: the check notes when
-#   every gradient arrived and when every all-reduce was launched, and refuses a bucket that
-#   could have been launched earlier;
-# - `finish_gradient_synchronization()` returns once every bucket's average is in place, and
-#   leaves the wrapper ready for the next backward;
-# - if a trainable parameter got no gradient in this backward (this step's forward did not use
-#   it, though an earlier step's may have), its bucket is never complete:
-#   `finish_gradient_synchronization()` then **raises an error whose message names every such
-#   parameter** by its name in the module (lesson 07 §6's class does the same), instead of
-#   returning — whether the step began with `zero_grad(set_to_none=True)` or `False`. That
-#   error ends the training run: after it the wrapper need not be usable again (the check
-#   builds a fresh one), but every rank must get out of the step, none left waiting for an
-#   all-reduce the others never launch;
-# - whether it returns or raises, when `finish_gradient_synchronization()` ends, no
-#   all-reduce the wrapper launched is still in flight.
+#   (to a relative 1e-4; where you divide is yours to decide), so the weights stay equal to
+#   real DDP's on the same shards;
+# - every trainable `p.grad` **is a view of its bucket** — a slice of one flat buffer per
+#   bucket, shaped like `p` (DDP's `gradient_as_bucket_view=True`): the reduced buffer *is* the
+#   average, nothing is copied back;
+# - each bucket went on the wire as **one asynchronous all-reduce of its flat buffer**,
+#   launched from the gradient hooks while the backward was still running; the i-th all-reduce
+#   of every rank is **bucket i's**; and **no bucket went later than it could have**;
+# - the wrapper is ready for the next step.
+#
+# If a trainable parameter got no gradient in this backward, its bucket never becomes
+# complete: `finish_gradient_synchronization()` then **raises an error whose message names
+# every such parameter** by its name in the module (as lesson 07 §6's class does), and every
+# rank gets out of the step. After that error the wrapper need not be usable again.
 #
 # One backward per `finish_gradient_synchronization()`: gradient accumulation (a second
 # backward before it) is outside the contract.
@@ -214,12 +199,8 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 # anything — and what? The check accepts every choice that keeps the contract; the lesson made
 # none for you, and the hints below ask the questions without choosing for you.
 #
-# The check runs 3 steps (the first with no `p.grad` yet, the second after
-# `zero_grad(set_to_none=False)`, the third after `zero_grad(set_to_none=True)`) on 2 and 3
-# ranks, on a model with a frozen parameter, then one step on a model whose last layer is
-# float64 and the rest float32 (your `assign_buckets` gives each dtype buckets of its own),
-# then two backwards on each of two models with a parameter the second one's forward does not
-# use (in the first bucket, then in the last), and names what it sees.
+# The check runs your wrapper for several steps on 2 and 3 ranks beside real DDP, on models
+# chosen to meet the usual mistakes, and names the one it sees.
 
 # %% [markdown]
 # ### Predict first: when does the bucket that fills first go?

@@ -5,6 +5,7 @@ Every wrong answer must fail with the sentence that names its mistake; every rig
 views laid out from the end of the buffer, futures, ReduceOp.AVG) must pass.
 """
 
+import re
 import sys
 import time
 
@@ -122,7 +123,7 @@ def test_a_wrong_bucket_rule_gets_the_rule_only_on_the_second_meeting():
                 lab07.check_assign_buckets(fn)
             msg = str(err.value)
             assert "may end above" in msg or "ends above the cap" in msg, msg
-            assert ("then close the bucket once it has reached the cap" in msg) == (attempt == 2)
+            assert ("reconsider what closes a bucket" in msg) == (attempt == 2)
         from dpcourse import checks
         checks._mistakes_met.clear()  # the next mutant is a first meeting of its own
 
@@ -313,18 +314,19 @@ def opened_order(params, cap_mb):
 
 MIXED_MISTAKES = [
     (ignores_dtype, "holds float16 and float32 parameters together",
-     "keep one open bucket per dtype"),
+     "another dtype passing by does to the open bucket"),
     (closes_on_dtype_change, "your float32 bucket 1 was closed at 0.75 MiB, below the cap of 1 "
-     "MiB, when a float16 gradient came next", "keep one open bucket per dtype"),
+     "MiB, when a float16 gradient came next",
+     "another dtype passing by does to the open bucket"),
     (shared_byte_count, "the bytes of every dtype were added into one count (6 parameters, "
      "float32 and float16, cap 1 MiB): your float16 bucket 1 was closed at 0.25 MiB",
-     "count the bytes per open bucket"),
+     "whose size the cap is compared with"),
     (open_ones_last, "still open when the walk ended come after every bucket closed",
-     "order the buckets by the moment each becomes complete"),
+     "when a bucket becomes complete"),
     (dtype_after_dtype, "Your buckets come one dtype after the other",
-     "order the buckets by the moment each becomes complete"),
+     "when a bucket becomes complete"),
     (opened_order, "Your buckets are in the order they were opened (their first gradient)",
-     "order the buckets by the moment each becomes complete"),
+     "when a bucket becomes complete"),
 ]
 
 
@@ -626,8 +628,19 @@ class NamedFromBuckets(Good):
                                                    if p not in self.arrived))
 
 
+class SameObject(Good):
+    # `p.grad is not view` instead of comparing storage: right. Torch keeps one Python object
+    # per tensor, so once p.grad = view, p.grad is view until autograd hands a fresh tensor
+    # (set_to_none=True), which is copied in; a different tensor over the same memory would
+    # only be copied onto itself, as SetEveryTime does every time.
+    def to_view(self, p, view):
+        if p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+
+
 RIGHT_WRAPPERS = [Good, DivideAfterWait, ViewsFromTheStart, FuturesAndReversedTiling, AverageOp,
-                  SetEveryTime, NamedFromBuckets]
+                  SetEveryTime, NamedFromBuckets, SameObject]
 
 
 @pytest.mark.parametrize("cls", RIGHT_WRAPPERS)
@@ -783,6 +796,13 @@ class NeverRebound(CopyDesign):
         Good.finish_gradient_synchronization(self)
 
 
+class TrustsTheViews(ViewsFromTheStart):
+    # p.grad = view once, in __init__, and the hook trusts it: after zero_grad(set_to_none=True)
+    # autograd's fresh tensor never reaches the bucket
+    def to_view(self, p, view):
+        pass
+
+
 class AddIntoTheBucket(Good):
     # a fresh gradient added to what the bucket still holds from the last step
     def to_view(self, p, view):
@@ -880,7 +900,7 @@ def test_a_value_wrong_in_no_known_way_gets_its_buckets_launch_and_arrival_first
         assert "nor any single mistake the check knows" in msg, msg
         assert "What the check saw of its bucket 0: its 2 gradients had all arrived by" in msg
         assert "the timing is not the cause" in msg, msg
-        assert ("at offsets that add up p.numel()" in msg) == (attempt == 2), msg
+        assert ("where each gradient's view lies in it" in msg) == (attempt == 2), msg
 
 
 class CompleteWhenGradsExist(Good):
@@ -985,6 +1005,9 @@ WRONG_WRAPPERS = [
     (CopyBackBeforeWait, "read from its bucket before wait\\(\\)"),
     (CopyBackWithAdd, "mean plus its own gradient .*add_"),
     (NeverRebound, "still holds this rank's own gradient .*never pointed at the view"),
+    (TrustsTheViews, "(?s)in step 1, and bucket 0 went on the wire holding zeros.*never put "
+                     "the gradient it was handed into the bucket.*set_to_none=True\\): "
+                     "autograd then hands the hook a fresh tensor"),
     (AddIntoTheBucket, "this step's mean plus the last step's.*held the last average"),
     (AddOntoItself, "twice the mean .*add_"),
     (OverlappingViews, "views of .* overlap"),
@@ -1010,7 +1033,37 @@ def test_the_fix_joins_the_cause_only_when_the_same_mistake_comes_back(batched_w
             lab07.check_bucketed_ddp(NoDivision)
         msg = str(err.value)
         assert "sum over the ranks, 2 times the mean" in msg, msg
-        assert ("divide each bucket by the world size" in msg) == (attempt == 2), msg
+        assert ("what an all-reduce with SUM gives" in msg) == (attempt == 2), msg
+
+
+def _fix_strings():
+    """Every literal `fix=` (and *_FIX constant, and fix in a table) of lab 07's checks."""
+    import ast
+    import pathlib
+
+    from dpcourse import checks
+
+    here = pathlib.Path(checks.__file__).parent
+    for path in sorted(here.glob("_lab07_*.py")) + [here / "lab07.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    node.value.startswith("reconsider"):
+                yield path.name, node.value
+            if isinstance(node, ast.keyword) and node.arg == "fix" and \
+                    isinstance(node.value, ast.Constant):
+                yield path.name, node.value.value
+
+
+def test_the_second_meeting_points_at_the_idea_not_the_code():
+    """A fix (shown when the same mistake comes back) says what to reconsider, never the code
+    to type: no call, assignment, attribute or operator a learner could paste (issue: blind
+    iteration passed on literal fixes)."""
+    fixes = list(_fix_strings())
+    assert len(fixes) > 60, len(fixes)
+    code = re.compile(r"\w\(|\.\w+\(|[^=!<>]=[^=]|>=|\+=|\w_\w*\(|\bdist\.|\btorch\.|\[")
+    for name, fix in fixes:
+        assert fix.startswith(("reconsider", "make part")), (name, fix)
+        assert not code.search(fix), (name, fix)
 
 
 class Todo(Good):
@@ -1202,7 +1255,8 @@ def _when_all(futures, fn):
 
 
 def topk_variant(state, bucket, *, feedback=True, magnitude=True, clear=True,
-                 select_corrected=True, add=True, divide=None, k_shift=0, dtype=None):
+                 select_corrected=True, add=True, divide=None, k_shift=0, dtype=None,
+                 residual_from_grad=False):
     grad = bucket.buffer()
     residual = state.residual_for(bucket)
     corrected = grad + residual if feedback else grad.clone()
@@ -1210,7 +1264,7 @@ def topk_variant(state, bucket, *, feedback=True, magnitude=True, clear=True,
     key = key.abs() if magnitude else key
     idx = key.topk(state.k(grad.numel()) + k_shift).indices
     values = corrected[idx]
-    residual.copy_(corrected)
+    residual.copy_(grad if residual_from_grad else corrected)
     if clear:
         residual[idx] = 0
     out = torch.zeros_like(grad, dtype=dtype)
@@ -1371,6 +1425,11 @@ def select_on_gradient(state, bucket):
     return topk_variant(state, bucket, select_corrected=False)
 
 
+def residual_from_buffer(state, bucket):
+    # chooses and sends from gradient + residual, but keeps bucket.buffer() minus what was sent
+    return topk_variant(state, bucket, residual_from_grad=True)
+
+
 def overwrite(state, bucket):
     return topk_variant(state, bucket, add=False)
 
@@ -1476,6 +1535,8 @@ WRONG_HOOKS = [
     (by_value, "largest values, not the k largest magnitudes"),
     (residual_not_cleared, "still holds the values that were sent"),
     (select_on_gradient, "top k of this step's gradient alone"),
+    (residual_from_buffer, "(?s)residual is kept from this call's gradient \\(bucket.buffer"
+                           "\\(\\)\\).*not from the corrected gradient"),
     (overwrite, "overwrote the other"),
     (no_average, "summed the ranks' values without averaging"),
     (divide_by_two, "divided by 2, a fixed number"),
@@ -1624,7 +1685,9 @@ def strictly_over(params, cap_mb):
 
 
 def test_strictly_over_the_cap_is_named():
-    with pytest.raises(LabCheckError, match="exactly 1 MiB.*|reached the cap"):
+    with pytest.raises(LabCheckError, match="(?s)reached the cap of 1.0 MiB exactly after 1 "
+                       "parameter.*exactly 1 MiB.*OVER the cap.*reaching the cap is what "
+                       "closes it"):
         lab07.check_assign_buckets(strictly_over)
 
 
@@ -1687,4 +1750,4 @@ def test_reading_the_gathers_before_they_arrive_is_named_first_not_the_gather():
         msg = str(err.value)
         assert "was already complete while a collective the hook had launched" in msg, msg
         assert "gather every rank" not in msg and "all_gather" not in msg, msg
-        assert ("build the average in a callback chained" in msg) == (attempt == 2), msg
+        assert ("hand DDP a value that does not exist yet" in msg) == (attempt == 2), msg

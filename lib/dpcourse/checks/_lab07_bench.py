@@ -105,7 +105,7 @@ def _deferring_spy(calls, state, where=False):
                "t_wait": None, "future": False}
         if where:
             rec.update(t_launch=time.perf_counter(), storage=_storage(tensor),
-                       offset=tensor.storage_offset())
+                       offset=tensor.storage_offset(), sent=tensor.detach().cpu().clone())
         calls.append(rec)
         if call.async_op:
             call.args["tensor"] = tensor.detach().clone()

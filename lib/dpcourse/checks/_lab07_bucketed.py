@@ -118,10 +118,13 @@ def _launch(cls, world_size: int, cap_mb: float, timeout: float) -> list:
         if "doesn't require gradient" in exc.summary or "does not require grad" in exc.summary:
             fail("you registered a hook on a frozen parameter (requires_grad=False; the check's "
                  "model has one, `scale`): torch refuses it, and it never gets a gradient.",
-                 fix="give views and hooks only to the parameters in self.buckets.")
+                 fix=("reconsider which parameters your wrapper attaches anything to: "
+                      "self.buckets already says which ones ever get a gradient."))
         if "AVG" in exc.summary or "ReduceOp" in exc.summary:
             fail(f"your code raised on rank {exc.rank}: {exc.summary} — this backend refuses "
-                 f"that reduce op.", fix="all-reduce with SUM and divide by the world size.")
+                 f"that reduce op.", fix=("reconsider which reduce ops every backend offers, "
+                                          "and where else the average can come from (lesson 07 "
+                                          "§3's class divides)."))
 
     return run_ranks(_bucketed_worker, world_size, cls, cap_mb,
                      backend=devices.backend_for(world_size), timeout=timeout, failed=failed,

@@ -187,8 +187,9 @@ class Problem(str):
         return made
 
 
-_DDP_CLOSING_FIX = ("add each parameter to the open bucket first, then close the bucket once it "
-                    "has reached the cap (>=).")
+_DDP_CLOSING_FIX = ("reconsider what closes a bucket: whether the cap is tested before or after "
+                    "a parameter joins, and whether a bucket that has just reached it is large "
+                    "enough (lesson 07 §3; part 1's hint 2).")
 
 
 def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> Problem | None:
@@ -207,14 +208,15 @@ def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> Prob
                        f"0 holds the first layer's parameters, whose gradients the backward "
                        f"produces LAST, so no bucket is complete until the backward is nearly "
                        f"over and nothing goes on the wire while it runs.",
-                       fix="walk the parameters in the order the backward produces their "
-                           "gradients: reversed(params).")
+                       fix=("reconsider in which order the backward produces the gradients "
+                            "(lesson 07 §2)."))
     if got != list(range(n - 1, -1, -1)):
         return Problem(f"the parameters are not in reverse registration order across the "
                        f"buckets{where}: the order within and across buckets is the order the "
                        f"backward completes them, and nothing reorders them.",
-                       fix="walk reversed(params) and never reorder them (by size or "
-                           "otherwise).")
+                       fix=("reconsider what may decide the order: only the order the gradients "
+                            "arrive in, nothing about the parameters themselves (lesson 07 "
+                            "§3)."))
     sizes = [p.numel() * p.element_size() for p in params]
     cap = cap_mb * MiB
     idx = [[ids[id(p)] for p in b] for b in buckets]
@@ -225,6 +227,12 @@ def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> Prob
                        f"buckets at all.", fix=_DDP_CLOSING_FIX)
     for k, b in enumerate(idx):
         before_last = sum(sizes[i] for i in b[:-1])
+        if before_last == cap and idx == _walk_closing_early(sizes, cap + 1, lambda i, _: False):
+            return Problem(f"bucket {k} reached the cap of {cap_mb} MiB exactly after "
+                           f"{len(b) - 1} parameter(s){where}, yet stayed open and took one more: you close "
+                           f"a bucket only once it is OVER the cap, but in DDP reaching the cap "
+                           f"is what closes it — a bucket of cap bytes is already large enough "
+                           f"to be worth its message.", fix=_DDP_CLOSING_FIX)
         if before_last >= cap:
             return Problem(f"bucket {k} holds {_mb(sum(sizes[i] for i in b))} in {len(b)} "
                            f"parameters: it had reached the cap of {cap_mb} MiB already before "
@@ -257,19 +265,22 @@ def _basic_problem(buckets, params: list, where: str) -> Problem | None:
     flat = [p for b in buckets for p in b]
     if any(id(p) not in ids for p in flat):
         return Problem(f"a bucket holds something that is not one of the parameters given"
-                       f"{where}.", fix="put the parameter objects themselves in the buckets "
-                                        "(not names, copies or grads).")
+                       f"{where}.", fix=("reconsider what the contract says a bucket holds: the "
+                                         "very parameters you were given."))
     got = [ids[id(p)] for p in flat]
     if len(got) != len(set(got)):
         return Problem(f"a parameter is in more than one bucket{where}: its gradient would be "
-                       f"averaged twice.", fix="put each parameter in exactly one bucket.")
+                       f"averaged twice.", fix=("reconsider how your walk can add a parameter a "
+                                                "second time."))
     if len(got) != len(params):
         return Problem(f"{len(params) - len(got)} of the {len(params)} parameters are in no "
                        f"bucket{where}, so their gradients are never averaged.",
-                       fix="give every parameter that requires a gradient a bucket.")
+                       fix=("reconsider where your walk can lose a parameter — what happens to "
+                            "a bucket still open when the walk ends?"))
     if any(len(b) == 0 for b in buckets):
         return Problem(f"there is an empty bucket{where}: it would launch an all-reduce of "
-                       f"nothing.", fix="leave out a bucket that holds nothing.")
+                       f"nothing.", fix=("reconsider when your walk opens a bucket: one that "
+                                         "never receives a parameter has nothing to send."))
     return None
 
 
@@ -295,11 +306,10 @@ def _shared_total(sizes, dtypes, cap) -> list[list[int]]:
     return done + [b for b in open_.values() if b]
 
 
-_PER_DTYPE_FIX = ("keep one open bucket per dtype: a parameter joins the open bucket of its own "
-                  "dtype, and every other dtype's open bucket stays open, with its own byte count.")
-_COMPLETE_ORDER_FIX = ("order the buckets by the moment each becomes complete: when its last "
-                       "parameter's gradient arrives — for a bucket still open when the walk "
-                       "ends, that is its last parameter, not the end of the walk.")
+_PER_DTYPE_FIX = ("reconsider what a parameter of another dtype passing by does to the open "
+                  "bucket of the first, and to its size count (part 1's hint 2).")
+_COMPLETE_ORDER_FIX = ("reconsider when a bucket becomes complete — is it when it is closed? — "
+                       "and so where it belongs in the list (part 1's contract).")
 
 
 def _nth(k: int) -> str:
@@ -399,8 +409,8 @@ def mixed_problem(buckets, params: list, cap_mb: float, what: str = "",
         if [arrives[i] for i in b] != sorted(arrives[i] for i in b):
             return Problem(f"within bucket {k} the parameters are not in the order the backward "
                            f"produces their gradients{where}.",
-                           fix="walk reversed(params) and never reorder them (by size, dtype or "
-                               "otherwise).")
+                           fix=("reconsider what may decide the order: only the order the "
+                                "gradients arrive in, not size nor dtype (lesson 07 §3)."))
     right = _by_dtype(sizes, dtypes, cap)
     as_set = lambda bs: sorted(map(tuple, bs))
     if as_set(idx) == as_set(right):
@@ -439,7 +449,8 @@ def mixed_problem(buckets, params: list, cap_mb: float, what: str = "",
                        f"at {_mb(sum(sizes[i] for i in b))}, below the cap of {cap_mb:g} MiB by "
                        f"its own bytes, when another dtype's parameters filled the count — a "
                        f"message smaller than the cap asks for.",
-                       fix="count the bytes per open bucket, i.e. per dtype.")
+                       fix=("reconsider whose size the cap is compared with: which bucket did "
+                            "this parameter join?"))
     for t in dict.fromkeys(dtypes):
         mine = [b for b in buckets if b[0].dtype == t]
         of_t = [p for p in params if p.dtype == t]
@@ -545,7 +556,8 @@ def _frozen_problem(buckets, everything: list, cap_mb: float, what: str) -> Prob
     if any(i in frozen for i in held):
         return Problem(f"a bucket holds a frozen parameter (requires_grad=False){f' ({what})'}: "
                        f"it never gets a gradient, so its bucket would never be complete.",
-                       fix="bucket only the parameters that require a gradient.")
+                       fix=("reconsider what a bucket waits for: a parameter that never gets a "
+                            "gradient would keep its bucket from ever being complete."))
     index = {id(p): i for i, p in enumerate(everything)}
     got = [[index.get(i) for i in map(id, b)] for b in buckets]
     weighed = _greedy([p.numel() * p.element_size() for p in everything], cap_mb * MiB,
@@ -559,6 +571,6 @@ def _frozen_problem(buckets, everything: list, cap_mb: float, what: str) -> Prob
         return Problem(f"the frozen parameters are in no bucket, but their bytes counted "
                        f"toward the cap ({what}), so the buckets close early: a parameter that "
                        f"requires no gradient is sent by no bucket.",
-                       fix="leave the frozen parameters out of the assignment altogether, "
-                           "bytes included.")
+                       fix=("reconsider what the cap measures: the bytes of one message on the "
+                            "wire — what does a frozen parameter put there?"))
     return None

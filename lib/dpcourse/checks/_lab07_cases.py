@@ -73,7 +73,8 @@ def _check_dtypes(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
             fail(f"your wrapper raised on rank {exc.rank} on {what}: {exc.summary[:240]} — a "
                  f"float64 parameter's gradient can be no view of a float32 buffer, and "
                  f"autograd refuses it as p.grad.",
-                 fix="make each bucket's flat buffer of its parameters' dtype (and device).")
+                 fix=("reconsider what one flat buffer can hold, given part 1's rule that a "
+                      "bucket holds one dtype."))
         fail(f"your wrapper raised on rank {exc.rank} on {what}: {exc.summary[:300]}")
 
     results = run_ranks(_dtype_worker, 2, cls, cap_mb, timeout=timeout, failed=failed,
@@ -85,14 +86,14 @@ def _check_dtypes(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                 fail(f"on {what}, {r['name']}.grad ({r['dtype']}) is not the mean over the "
                      f"ranks on rank {rank} after finish_gradient_synchronization(), though the "
                      f"float32 model's were right.",
-                     fix="give every bucket its own buffer of its own dtype, and all-reduce "
-                         "each.")
+                     fix=("reconsider how many buffers, of which dtypes, part 1's buckets need, "
+                          "and which of them reach the wire."))
             if not r["view"]:
                 fail(f"on {what}, {r['name']}.grad ({r['dtype']}) holds the right mean on rank "
                      f"{rank} but is not a view of any buffer your wrapper keeps: it was copied "
                      f"back from a buffer of another dtype.",
-                     fix="make each bucket's flat buffer of its parameters' dtype, so that "
-                         "p.grad can be its view.")
+                     fix=("reconsider what a view can be a view of: a tensor of its own dtype "
+                          "only."))
 
 
 # A trainable parameter the second step's forward does not use: its bucket is never complete.
@@ -207,8 +208,8 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                 fail(f"finish_gradient_synchronization() raised on rank {rank} after a backward "
                      f"in which every parameter got a gradient ({r['said'][1][:200]}) — on a "
                      f"model with a parameter `{which}` that the next step's forward leaves out.",
-                     fix="raise only when a bucket is still awaiting a gradient at the end of "
-                         "the step.")
+                     fix=("reconsider what tells your wrapper that a gradient is missing: its "
+                          "own record of this backward, not what happens to sit in p.grad."))
             said = r["said"][2]
             if said is None:
                 fail(f"on a model whose {unused} got a gradient in step 1 but none in step 2 "
@@ -216,8 +217,9 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                      f"rank {rank} although their bucket never became complete: that bucket "
                      f"(and every one after it) was never all-reduced, so the gradients left "
                      f"there are stale or this rank's own.{stale}",
-                     fix="raise an error that names the parameter(s) that got no gradient in "
-                         "this backward.")
+                     fix=("reconsider what your wrapper knows at the end of the step about the "
+                          "buckets that never became complete (lesson 07 §6 does not return "
+                          "there)."))
             missing = [n for n in names if n not in said]
             if missing:
                 fail(f"on a model whose {unused} got a gradient in step 1 but none in step 2 "
@@ -225,8 +227,9 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                      f"rank {rank} ({said[:200]}), but its message does not name "
                      f"{' and '.join(missing)}, so whoever trains the model cannot find it."
                      f"{stale}",
-                     fix="name every parameter that got no gradient in this backward, by its "
-                         "name in the module.")
+                     fix=("reconsider what your wrapper remembers of THIS backward's arrivals: "
+                          "is it enough to tell which parameters never came, whatever p.grad "
+                          "holds?"))
             wrongly = [n for n in r["used"]
                        if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", said)]
             if wrongly:
@@ -235,7 +238,8 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                      f"also names {', '.join(wrongly[:3])}, which did get a gradient in this "
                      f"backward (a name kept from an earlier step, or every parameter of the "
                      f"incomplete bucket, misleads).",
-                     fix="name only the parameters that got no gradient in this backward.")
+                     fix=("reconsider whether what you name comes from this backward alone, and "
+                          "per parameter rather than per bucket."))
             flying = r["in_flight"]
             if flying:
                 shown = (f"bucket {flying[0]}" if len(flying) == 1 else
@@ -248,6 +252,5 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                      f"caller, who may read them (to log them, to save a checkpoint) — and a "
                      f"work never waited on is never known to have finished. The error ends "
                      f"the run; it need not leave the gradients racing.",
-                     fix="wait on the all-reduces already launched before raising: every rank "
-                         "launched them (they are the buckets before the incomplete one), so "
-                         "waiting cannot hang.")
+                     fix=("reconsider what the error leaves behind: which collectives had every "
+                          "rank already launched, and who will ever wait on them?"))

@@ -165,7 +165,8 @@ def _topk_worker(rank: int, world_size: int, hook, state_cls, fraction: float,
 
 
 def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitude=True,
-                 clear=True, select_corrected=True, add=True, scale=None, k_shift=0) -> list:
+                 clear=True, select_corrected=True, add=True, scale=None, k_shift=0,
+                 residual_from_grad=False) -> list:
     """Top-k with error feedback replayed on the recorded buckets: ``inputs[r]`` is rank r's
     list of (index, gradient) hook calls. The keywords switch on one plausible mistake each.
     Returns the averaged tensor each call should have produced."""
@@ -189,7 +190,7 @@ def _topk_replay(inputs: list, world_size: int, k_of, *, feedback=True, magnitud
                 out.index_add_(0, idx, corrected[idx])
             else:
                 out[idx] = corrected[idx]
-            left = corrected.clone()
+            left = (g if residual_from_grad else corrected).clone()
             if clear:
                 left[idx] = 0
             residuals[r][index] = left
@@ -246,8 +247,8 @@ def _own_values_problem(outputs: list, inputs: list, calls: list, world_size: in
             f"{a[0]} was summed with rank {rank}'s at index {b[0]} — entries of different places "
             f"in the gradient. Each rank then put those sums at its own indices: the ranks "
             f"disagree, and neither holds the average.",
-            "every rank must learn every rank's k values AND their indices (a collective that "
-            "hands each rank's own list to every rank), and add each value at its own index.")
+            ("reconsider what an all-reduce adds together when the ranks chose different "
+             "indices, and which collective keeps each rank's list whole."))
 
 
 # What a gloo rank reports when its peer has gone away (aborted or died) mid-collective.
@@ -263,14 +264,14 @@ def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: flo
             hint = (" — if it is the residual: DDP rebuilds its buckets after the first step, "
                     "so from the second step on bucket 0 holds other parameters, and another "
                     "number of them, than in the first")
-            fix = ("take each bucket's residual from state.residual_for(bucket), which restarts "
-                   "one whose size changed.")
+            fix = ("reconsider what DDP's rebuild after the first step does to a bucket's size "
+                   "(lesson 07 §6), and what the given TopKState does about it.")
         elif "died" in summary or _PEER_LOST.search(summary):
             # gloo aborts the rank that sees a size mismatch; its peer then reports a reset
             # connection, and whichever report arrives first is the one we see.
             hint = (" — gloo aborts a rank when the ranks' tensors in one collective differ in "
                     "size (its peer then sees the connection drop)")
-            fix = "every rank must gather exactly state.k(numel) values and indices."
+            fix = "reconsider whether every rank's gathered tensors have the same size."
         what = "died in your hook" if "died" in summary else "raised in your hook"
         fail(f"rank {exc.rank} {what}: {summary}{hint}.", fix=fix)
 
@@ -284,16 +285,18 @@ def _launch_hook(hook, state_cls, world_size: int, fraction: float, timeout: flo
 _PROBLEMS = {      # kind -> (cause, fix)
     "not_future": ("your hook returned a {} — DDP needs a torch.futures.Future whose value is "
                    "the averaged buffer, and waits on it only at the end of the backward.",
-                   "return the future of your collectives' work chained with .then(...), or a "
-                   "torch.futures.Future you complete with set_result."),
+                   ("reconsider what DDP expects back from a hook: a value now, or a promise of "
+                    "one (lesson 07 §5)?")),
     "list": ("your hook's future delivered a {} — DDP wants the tensor itself (the future of "
-             "an all_reduce's work holds [tensor]).", "chain .then(lambda f: f.value()[0])."),
+             "an all_reduce's work holds [tensor]).", ("reconsider what the future of a "
+                                                       "collective's work holds, and what DDP "
+                                                       "wants from yours.")),
     "not_tensor": ("your hook's future delivered a {}, not a tensor the size of "
                    "bucket.buffer().", None),
     "shape": ("your hook's future delivered a tensor of shape {0[0]} and {0[1]}, but the "
               "bucket is {0[2]} of {0[3]}: DDP copies that value into the gradients as it is.",
-              "return a dense tensor like bucket.buffer(): the gathered values put back at "
-              "their indices in torch.zeros_like(buffer)."),
+              ("reconsider what DDP does with your future's value: copies it into the gradients "
+               "as it is.")),
 }
 
 
@@ -316,9 +319,8 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
              f"other ranks' entries had not reached yet: whatever those buffers held (the ranks "
              f"then disagree, or an index is garbage). Launching the collectives was right; "
              f"reading their outputs before they arrive is the mistake.",
-             fix="build the average in a callback chained on the collectives' futures "
-                 "(work.get_future(), torch.futures.collect_all, .then(fn)) and return the "
-                 "future that .then gives: its value is ready only once the entries are.")
+             fix=("reconsider when the gathered entries exist, and how a hook can hand DDP a "
+                  "value that does not exist yet (lesson 07 §5; the stretch's hint 2)."))
     for j, out0 in enumerate(outputs[0]):
         step, index = calls[0][j]["step"], calls[0][j]["index"]
         for rank in range(1, world_size):
@@ -332,8 +334,8 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
                        "the averaged tensors the ranks built differ")
                 fail(f"step {step}, bucket {index}: rank 0 and rank {rank} got different "
                      f"gradients: {why}, and replicas whose gradients differ drift apart.",
-                     fix="every rank must receive every rank's k selected values and their "
-                         "indices, and build the same average from them.")
+                     fix=("reconsider what every rank must learn of the others' choices so that "
+                          "all build the same average."))
     for step in range(_HOOK_STEPS):
         numels = [c["input"].numel() for c in calls[0] if c["step"] == step]
         dense = sum(n * 4 for n in numels)
@@ -343,8 +345,8 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
             fail(f"step {step}: a rank sent {sent} bytes for {dense} bytes of gradient, as much "
                  f"as the dense gradient itself (a tensor that is mostly zeros still travels "
                  f"whole), so the compression saved nothing.",
-                 fix="send only the k selected values and their indices, with a collective "
-                     "that carries each rank's own short list to every rank.")
+                 fix=("reconsider what the other ranks need to know of this rank's choice, and "
+                      "which collective carries short lists that differ by rank."))
         if sent > budget:
             entries = sum(k_of(n) for n in numels)
             fail(f"step {step}: a rank sent {sent} bytes for the {entries} entries it selected, "
@@ -352,8 +354,8 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
                  f"(float32, 4 bytes) and its int64 index (8) take {_SENT_PER_ENTRY}: whatever "
                  f"travels beyond that (a value widened to float64, an entry or a list sent "
                  f"twice) costs bandwidth and carries nothing the average needs.",
-                 fix="send each of the k values once, in the gradient's own dtype, and its index "
-                     "once.")
+                 fix=("reconsider what each selected entry needs on the wire, and in which "
+                      "dtype."))
     right = _topk_replay(inputs, world_size, k_of)
     if all(torch.allclose(o, e, rtol=1e-5, atol=1e-5) for o, e in zip(outputs[0], right)):
         _diagnose_asynchrony(results)
@@ -362,31 +364,44 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
         (dict(feedback=False),
          "your results are top-k without error feedback: what a rank did not send is lost, "
          "so small gradients are never sent at all.",
-         "keep what was not sent in the bucket's residual and add it to the next step's "
-         "gradient before choosing."),
+         "reconsider what 'nothing is lost' asks of what a rank does not send."),
         (dict(magnitude=False),
          "you chose the k largest values, not the k largest magnitudes: large negative "
-         "gradients are never sent.", "rank the entries by .abs()."),
+         "gradients are never sent.", ("reconsider what 'largest' must mean for a gradient "
+                                       "entry that is large and negative.")),
         (dict(clear=False),
          "the residual still holds the values that were sent, so every step sends them again.",
-         "zero the sent entries in the residual (residual = corrected - sent)."),
+         ("reconsider what the residual should hold after a call: what was sent, or what was "
+          "not?")),
         (dict(select_corrected=False),
          "you chose the top k of this step's gradient alone, so what waited in the residual "
-         "never gets its turn.", "choose the k entries from gradient + residual."),
+         "never gets its turn.", ("reconsider which tensor holds everything this rank could "
+                                  "send now.")),
+        (dict(residual_from_grad=True),
+         "your residual is kept from this call's gradient (bucket.buffer()) with the sent "
+         "entries zeroed, not from the corrected gradient: whatever was waiting in the old "
+         "residual and was not sent this time is thrown away at every call, so a small entry "
+         "still never gets its turn — nothing may be lost, only postponed.",
+         "reconsider which tensor holds everything this rank could have sent at this call: "
+         "what it keeps for later must be that tensor minus what it did send (hint 2 of the "
+         "stretch)."),
         (dict(add=False),
          "where two ranks selected the same index, one value overwrote the other instead of "
-         "both counting.", "add the gathered values (index_add_ / scatter_add_), do not "
-                           "assign them."),
+         "both counting.", "reconsider what should happen at an index two ranks both chose."),
         (dict(scale=1.0),
          "you summed the ranks' values without averaging: the result is N times the average.",
-         "divide by the world size."),
+         "reconsider what the contract's future must hold: a sum, or an average?"),
         (dict(scale=1.0 / world_size ** 2),
-         "you divided by the world size twice.", "divide once."),
+         "you divided by the world size twice.", ("reconsider how many times your average is "
+                                                  "divided, and where.")),
         (dict(scale=0.5),
          "you divided by 2, a fixed number that is not this group's size.",
-         "divide by dist.get_world_size()."),
-        (dict(k_shift=1), "you sent k + 1 entries.", "send exactly state.k(numel)."),
-        (dict(k_shift=-1), "you sent k - 1 entries.", "send exactly state.k(numel)."),
+         ("reconsider where the number you divide by comes from: this group's size, whatever it "
+          "is.")),
+        (dict(k_shift=1), "you sent k + 1 entries.", ("reconsider how many entries state.k says "
+                                                      "to send.")),
+        (dict(k_shift=-1), "you sent k - 1 entries.", ("reconsider how many entries state.k "
+                                                       "says to send.")),
     ]
     for kwargs, message, fix in wrong:
         if kwargs.get("scale") == 0.5 and world_size == 2:
@@ -399,9 +414,9 @@ def _diagnose_hook(results: list, world_size: int, k_of) -> None:
     diff = (outputs[0][j] - right[j]).abs().max().item()
     fail(f"step {calls[0][j]['step']}, bucket {calls[0][j]['index']}: your averaged gradient "
          f"differs from top-k with error feedback by up to {diff:.3g}.",
-         fix="per rank: corrected = gradient + residual; send the k largest |corrected|; "
-             "residual = corrected with the sent entries zeroed; return the sum of everyone's "
-             "sent values / world size.")
+         fix=("reconsider, per rank and call, what it could send (this call and what waited), "
+              "what it sends, what it keeps, and how the ranks' entries become one average (the "
+              "stretch's hint 2)."))
 
 
 def _diagnose_asynchrony(results: list) -> None:
@@ -415,13 +430,12 @@ def _diagnose_asynchrony(results: list) -> None:
         fail(f"your hook's {' and '.join(blocking)} blocked (launched without async_op=True): "
              f"the backward stood still at every bucket until every rank had sent its part, "
              f"so nothing overlapped.",
-             fix="launch the collectives asynchronously and return a future chained on their "
-                 "work.")
+             fix=("reconsider what the backward does while a blocking collective runs, and what "
+                  "DDP waits on (lesson 07 §5)."))
     done = [c.get("done_at_return") for r in results for c in r["calls"]]
     if done and all(done):
         fail("the future your hook returned was already complete when the hook returned, on "
              "every call of every rank, even when the other ranks arrived later: the hook "
              "waited for its collectives inside (wait(), value()), so the backward stood still "
              "at every bucket.",
-             fix="return the future without waiting; DDP waits on it at the end of the "
-                 "backward.")
+             fix="reconsider who waits on the hook's future, and when (lesson 07 §5).")

@@ -7,7 +7,8 @@ cap that holds the whole model, a frozen layer, three models of several dtypes).
 DDP's rule — add the parameter to the open bucket of its dtype, close the bucket once it has
 reached the cap — with the buckets in the order they complete, and names: forward order, a
 bucket closed before the next parameter would exceed the cap (the other usual rule, not
-DDP's), a bucket per parameter, everything in one bucket, elements counted instead of bytes, 4
+DDP's), a bucket left open when it lands exactly on the cap (closed only once over it), a
+bucket per parameter, everything in one bucket, elements counted instead of bytes, 4
 bytes assumed per element, parameters lost or repeated, frozen parameters bucketed or weighed,
 two dtypes in one bucket, a bucket closed when the dtype changes, one byte count for all
 dtypes, the buckets in the order they were opened, the still-open buckets put last (torch's
@@ -31,7 +32,8 @@ gradients had arrived in this step (a bucket judged complete by `p.grad is not N
 zero_grad(set_to_none=False) makes true for all), a bucket launched later than it could have
 been (every one only at the end of the backward, or after the backward), waiting inside the
 hook, not waiting, no reset between steps, old handles waited on again, values read before
-wait(), an all-reduce of a temporary, gradients that are not views of their bucket, views that
+wait(), an all-reduce of a temporary, gradients that are not views of their bucket (or whose
+fresh gradient never reached the bucket: a view made p.grad once and trusted), views that
 overlap or point into another bucket, add_ where copy_ belongs (three ways), a missing or
 fixed division; a value wrong in no known way gets the launch and arrival times of its bucket.
 Then a parameter the second step leaves out (in the first bucket, then in the last): no error,
@@ -42,7 +44,12 @@ flight.
 error feedback — in real DDP on 2 and 3 ranks and compares every call with a replay of the
 algorithm on the same buckets (see the section's comment below); right values are then held
 to the lab's asynchrony: no blocking collective in the hook, and a future still pending when
-the hook returns on a rank that arrived ahead of the others.
+the hook returns on a rank that arrived ahead of the others. Among the wrong values it names,
+by replaying each: no error feedback, values not magnitudes, a residual kept from this call's
+gradient instead of the corrected one, or never cleared, a sum or an overwrite, the division.
+
+A mistake met again in this kernel gets its fix, which says what to reconsider and where
+(a lesson 07 section, a hint), never the code to type.
 
 ``measure_launches`` and ``check_prediction`` are the lab's predict-then-measure cell: on
 part 2's model, whose bucket 1 fills before bucket 0, how many gradients have arrived when the
@@ -159,7 +166,8 @@ def check_assign_buckets(assign_buckets) -> None:
                      f"{len(got[k])} bucket(s) where DDP makes {len(right)}). The cap bounds "
                      f"each message's bytes on the wire, and an element's bytes depend on its "
                      f"dtype ({ps[0].dtype} here: {ps[0].element_size()} each).",
-                     fix="a parameter's size in bytes is p.numel() * p.element_size().")
+                     fix=("reconsider what the cap bounds — a message's bytes — and how many "
+                          "bytes one element of each dtype takes."))
         for rule, sentence in _OTHER_RULES:
             predicted = [rule([p.numel() * p.element_size() for p in cases[k][1]],
                               cases[k][2] * MiB) for k in plain]
