@@ -93,8 +93,9 @@ except LabCheckError as err:
 #
 # From lesson 03 on, one training program runs as several cooperating processes, called
 # *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
-# the tensors between them, **gloo** (made for CPU tensors; it takes GPU tensors too in most
-# collectives, usually copying them through the CPU's memory: lesson 03) or **NCCL** (NVIDIA's,
+# the tensors between them, **gloo** (made for CPU tensors; it has code for GPU tensors too in
+# most collectives, none in send or recv, usually copying them through the CPU's memory: lesson
+# 03's appendix finds which) or **NCCL** (NVIDIA's,
 # GPU tensors only).
 # Which backend the ranks use, and on which devices, depends on the machine. The lessons never ask
 # you to edit a cell to match your hardware. `dpcourse.devices` looks at the machine and picks
@@ -153,6 +154,9 @@ def profile_for(gpus):
 
 
 by_gpus = {n: profile_for(n) for n in (0, 1, 2, 8)}
+for n, p in by_gpus.items():   # what choose_profile returned: the inputs of the claims below
+    print(f"{n} GPU(s): profile {p.name}, {p.world_size} ranks over {p.backend} on "
+          f"{p.rank_device}, single-device code on {p.device}")
 claim("the profile follows the GPU count: 0 → cpu, 1 → one-gpu, 2 and 8 → multi-gpu",
       [p.name for p in by_gpus.values()] == ["cpu", "one-gpu", "multi-gpu", "multi-gpu"])
 claim("one-gpu: its 2 ranks run over gloo on the CPU, the GPU serves single-device code",
@@ -162,11 +166,12 @@ claim("this machine got the profile its GPU count gives, or the one DPCOURSE_PRO
       profile.name == (os.environ.get("DPCOURSE_PROFILE") or profile_for(report.gpu_count).name),
       profile=profile.name, gpus=report.gpu_count)
 claim("gloo is available, so the CPU path of every lesson can run", report.gloo)
+picked = {(gpus, nccl): devices.backend_for(2, gpu_count=gpus, nccl=nccl)
+          for gpus, nccl in ((0, True), (1, True), (2, True), (4, False))}
+print("backend_for(2 ranks): " + "; ".join(f"{gpus} GPUs, NCCL {'built' if nccl else 'absent'}: "
+                                           f"{b}" for (gpus, nccl), b in picked.items()))
 claim("NCCL is chosen only when every rank can own a GPU",
-      devices.backend_for(2, gpu_count=0, nccl=True) == "gloo"
-      and devices.backend_for(2, gpu_count=1, nccl=True) == "gloo"
-      and devices.backend_for(2, gpu_count=2, nccl=True) == "nccl"
-      and devices.backend_for(2, gpu_count=4, nccl=False) == "gloo")
+      picked == {(0, True): "gloo", (1, True): "gloo", (2, True): "nccl", (4, False): "gloo"})
 
 # %% [markdown]
 # ## Running many processes from a notebook
@@ -435,6 +440,9 @@ claim("and nothing is left running: none of the 4 rank processes of these two la
       len(rank_pids) == 4 and not any(psutil.pid_exists(pid) for pid in rank_pids),
       pids=rank_pids)
 entry = inspect.getsource(launch.worker_entry)
+print("worker_entry's lines the next claim reads, in order:", *[line.strip() for line in
+      entry.splitlines() if "result_conn.send_bytes(" in line or "release_conn.recv_bytes(" in line],
+      sep="\n    ")
 claim("a rank that returned stays alive: after sending its result (result_conn.send_bytes), "
       "worker_entry waits for the parent's word that every rank is done "
       "(release_conn.recv_bytes())",

@@ -82,8 +82,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # they need to connect) at `MASTER_ADDR:MASTER_PORT`, which rank 0 hosts under `spawn` (under
 # `torchrun`, by default, the launcher's agent hosts it and every rank connects as a client). The
 # **backend** is the library that moves the bytes: **gloo** (a collective communication library
-# from Meta, made for CPU tensors; it takes CUDA ones too, for nearly every operation, but
-# slowly, through the CPU's memory: the appendix finds which) or **nccl** (NVIDIA's
+# from Meta, made for CPU tensors; on GPU tensors, lesson 00's "most collectives", slowly,
+# through the CPU's memory: the appendix finds which) or **nccl** (NVIDIA's
 # Collective Communications
 # Library: GPU tensors only, one GPU per rank by default (lesson 00 finds the switch), much
 # faster on GPUs). In every rank `spawn` sets
@@ -121,11 +121,13 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # ## The four collectives
 # A **collective** is an operation that *every* rank of the group calls, in the same order as the
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
-# once the result is in the tensor. With nccl, once the group's NCCL communicator exists, it
-# hands the work to the GPU and returns without waiting for it to run (the first collective
-# blocks while NCCL forms it, unless `init_process_group` got a `device_id`; lesson 10
-# shows where that matters); with the default `async_op=False` torch has the backend order later
-# GPU work after it, with `async_op=True` you get a handle whose `wait()` does that.
+# once the result is in the tensor. With nccl, once the group's NCCL *communicator* (the
+# connections between the ranks' GPUs that its collectives run over) exists, it hands the
+# work to the GPU and returns without waiting for it to run (NCCL forms it lazily: the first
+# collective on a GPU tensor blocks while it does, unless `init_process_group` got a
+# `device_id`, which forms it at once; lesson 10 shows where that matters); with the default
+# `async_op=False` torch has the backend order later GPU work after it, with `async_op=True`
+# you get a handle whose `wait()` does that.
 #
 # | collective | every rank gives | every rank gets |
 # |---|---|---|
@@ -241,7 +243,9 @@ claim("no BatchNorm, but 6 targets padded in the first half: they differ by more
 # it in `DDP`, and trains on its own contiguous shard of each global batch
 # (`global_batch_for_step` hands every process the same consecutive samples; `shard_of` cuts
 # rank r's share); after `loss.backward()` the gradients are already averaged over the ranks.
-# Next to it, the reference: one process on the whole global batch. `setup_rank()`, shown
+# Next to it, the reference: one process on the whole global batch. Then `flat_params` and
+# `_flat_grads`, which copy a model's weights and gradients into one flat CPU vector each, in
+# `model.parameters()` order: the tensors the claims compare. `setup_rank()`, shown
 # last, prepares the process and returns the rank's device (`cuda:<rank>` under nccl, the CPU
 # under gloo); on a GPU it turns off TF32 (TensorFloat-32: float32 matrix products and
 # convolutions computed with 10 mantissa bits, not 23), whose ~1e-3 rounding would hide the
@@ -250,19 +254,17 @@ claim("no BatchNorm, but 6 targets padded in the first half: they differ by more
 
 # %%
 viz.show_code(ddp.make_model, ddp.global_batch_for_step, ddp.ddp_worker, ddp.shard_of,
-              ddp.single_process, ddp.setup_rank)
+              ddp.single_process, ddp.flat_params, inspect.getsource(ddp._flat_grads),
+              ddp.setup_rank)
 
 # %% [markdown]
-# **▶ The helpers behind every claim of this lesson's runs** (click the folded cell below):
-# `StepConfig`, the experiment's numbers; `_train_tensors`, its data (lesson 01's
-# `make_shapes10`, made once per process); and `flat_params` and `_flat_grads`, which copy a
-# model's weights and gradients into one flat CPU vector each, in `model.parameters()` order:
-# the tensors the claims compare.
+# **▶ The experiment's numbers and data** (click the folded cell below): `StepConfig` (the
+# run below prints it) and `_train_tensors` (lesson 01's `make_shapes10`, made once per
+# process).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(ddp.StepConfig, inspect.getsource(ddp._train_tensors), ddp.flat_params,
-              inspect.getsource(ddp._flat_grads),
-              folded="▶ StepConfig, _train_tensors, flat_params and _flat_grads")
+viz.show_code(ddp.StepConfig, inspect.getsource(ddp._train_tensors),
+              folded="▶ StepConfig and _train_tensors")
 
 # %% [markdown]
 # `ddp.same_bits(a, b)`, which the claims below use, asks whether two float32 tensors are equal
@@ -296,7 +298,8 @@ per_rank_batch = cfg.per_rank_batch(world_size)
 wrapped = launch.spawn(ddp.ddp_worker, world_size, cfg, backend=backend, timeout=120)
 single = ddp.single_process(cfg)
 tol = 1e-5
-print(f"per-rank batch {per_rank_batch} x {world_size} ranks = global batch {global_batch}")
+print(f"{cfg}: per-rank batch {per_rank_batch} x {world_size} ranks = global batch "
+      f"{global_batch}")
 claim("first-step gradients: DDP == one process on the global batch (to 1e-5)",
       max(max_diff(r["grads"], single["grads"]) for r in wrapped) < tol)
 claim(f"weights after {steps} steps: DDP == one process (to 1e-5)",
@@ -374,9 +377,11 @@ claim(f"{world_size} ranks: weights after {steps} steps == one process to 1e-5, 
 # start — equal gradients keep them equal. That holds for any number of ranks on two
 # conditions: the all-reduce hands every rank the same bytes (say, each piece of the sum
 # computed once and copied to the others; that gloo's did so in this run shows in its result,
-# bit-equal weights on every rank, not in its code, which is not installed), and every rank
-# runs the same optimizer
-# kernels on the same kind of device. It
+# bit-equal weights on every rank, not in its code, which is not installed), and every rank's
+# update is deterministic: the same optimizer kernels on the same kind of device, giving the
+# same bits for the same inputs (the gradients a rank computes before the all-reduce need not
+# be, since its result replaces them; `setup_rank`'s deterministic cuDNN serves the claim
+# between two launches). It
 # does not make N ranks bit-for-bit equal to one process: on 3 ranks too, that agreement is to
 # a tolerance. The next cell checks both on 3 ranks (gloo, on the CPU, whatever this machine's
 # profile; a global batch of 24, since 32 does not split over 3; there the ranks' weights are
@@ -481,15 +486,9 @@ else:
 
 # %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
-# `DDP(model)` they are equal. (The worker also registers a **comm hook**: a function of
-# yours that DDP calls in place of its own all-reduce, once per bucket of gradients, and that
-# must return a future of the reduced bucket. A **future** (`torch.futures.Future`) holds a
-# result that may not exist yet: `dist.all_reduce(t, async_op=True)` returns a work handle whose
-# `get_future()` is one; `fut.then(f)` returns a new future that runs `f(fut)` once `fut` has
-# completed, and inside `f`, `fut.value()` is the result. This one notes which parameters each bucket
-# holds, then averages as DDP does, but divides the whole bucket before the sum (torch's
-# `allreduce_hook`); the next section says where DDP's own path divides, and times the buckets
-# with another hook.)
+# `DDP(model)` they are equal. (The worker also registers a comm hook, which the next section
+# defines and uses; this one notes which parameters each bucket holds, then averages as
+# torch's `allreduce_hook` does, dividing the whole bucket before the sum.)
 
 # %%
 viz.show_code(ddp.ddp_internals_worker)
@@ -507,10 +506,15 @@ claim("DDP's init_sync flag defaults to True", inspect.signature(
 
 # %% [markdown]
 # ### Buckets, and why the first iteration has only one
-# To see the buckets we replace DDP's all-reduce with our own **comm hook**: DDP calls it once
-# per bucket, when every gradient in the bucket is ready, and our hook stamps the time, launches
-# an asynchronous all-reduce of the bucket through torch's Python `allreduce_hook` (divide the
-# bucket, then all-reduce it), and stamps the time again when it has finished. That is not
+# To see the buckets we replace DDP's all-reduce with our own **comm hook**: a function that
+# DDP calls in place of its own all-reduce, once per bucket, when every gradient in the bucket
+# is ready, and that must return a future of the reduced bucket. A **future**
+# (`torch.futures.Future`) holds a result that may not exist yet: `dist.all_reduce(t,
+# async_op=True)` returns a work handle whose `get_future()` is one; `fut.then(f)` returns a new
+# future that runs `f(fut)` once `fut` has completed, and inside `f`, `fut.value()` is the
+# result. Our hook stamps the time, launches an asynchronous all-reduce of the bucket through
+# torch's Python `allreduce_hook` (divide the bucket, then all-reduce it; it returns such a
+# future), and, in a `then` callback, stamps the time again when it has finished. That is not
 # DDP's own path: without a hook the reducer scales each gradient as it copies it into the
 # bucket and runs an internal C++ hook, `_AllReduceBySumCommHook`, that only sums (Sources).
 # The bucket and the collective are the same; the division happens elsewhere. A tensor hook on
@@ -665,16 +669,23 @@ one_bucket = [sys.maxsize]
 by_flags = {(static, unused): ddp.initial_bucket_limits(cap_mb, static_graph=static,
                                                         find_unused_parameters=unused)
             for static in (False, True) for unused in (False, True)}
+flag_words = {(s, u): f"static_graph={'on' if s else 'off'}, find_unused={'on' if u else 'off'}"
+              for s, u in by_flags}
+print("iteration 0's limits in bytes: " + "; ".join(f"{flag_words[k]}: {v}" for k, v in
+                                                     by_flags.items())
+      + f" (sys.maxsize = {sys.maxsize}); bucket_limits(None) = {ddp.bucket_limits(None)}")
 claim("iteration 0's limit is sys.maxsize (one bucket) for every flag setting but "
       "find_unused_parameters=True without static_graph",
       [flags for flags, limits in by_flags.items() if limits != one_bucket] == [(False, True)])
 claim("bucket_cap_mb left at None: the first bucket's limit is 1 MiB, the others' 25 MiB",
       ddp.bucket_limits(None) == (2**20, 25 * 2**20))
+by_list = {(static, unused): ddp.initial_bucket_limits(None, [cap_mb], static_graph=static,
+                                                       find_unused_parameters=unused)
+           for static in (False, True) for unused in (False, True)}
+print(f"with bucket_cap_mb_list=[{cap_mb}]: "
+      + "; ".join(f"{flag_words[k]}: {v}" for k, v in by_list.items()))
 claim(f"with bucket_cap_mb_list=[{cap_mb}], iteration 0 is bucketed by size under every flag "
-      "setting", all(ddp.initial_bucket_limits(None, [cap_mb], static_graph=static,
-                                                find_unused_parameters=unused)
-                     == [int(cap_mb * 2**20)] for static in (False, True)
-                     for unused in (False, True)))
+      "setting", all(limits == [int(cap_mb * 2**20)] for limits in by_list.values()))
 
 # %% [markdown]
 # <details><summary>▶ open: static_graph=True, one iteration longer</summary>
@@ -1140,8 +1151,8 @@ claim("gloo has CUDA code for broadcast and all_gather (libtorch_cpu.so) and, in
       and not any(name.startswith(("Send", "Recv")) for name in with_cuda), found=gloo_cuda)
 
 # %% [markdown]
-# So gloo takes GPU tensors for nearly every collective, not only the all_reduce and broadcast
-# that PyTorch's backend table in its documentation marks. (`reduce_scatter` has no class of
+# These are lesson 00's "most collectives" (none in send or recv): more than the all_reduce and
+# broadcast that PyTorch's backend table in its documentation marks. (`reduce_scatter` has no class of
 # its own, so the names say nothing about it.) It is slow with them: gloo sends and receives
 # from the CPU's memory, so these classes copy the GPU tensor there and the result back. The
 # exception, `AsyncAllreduceCUDADeviceWork`, runs on GPU memory, chosen only when gloo's
