@@ -49,32 +49,11 @@ multiworker_timeout = 90
 # TensorFlow fixes its device list the first time anything *uses* a device: creating a tensor, a
 # variable, a strategy, a dataset. After that, the split cannot change. So the split is the first
 # thing a TF notebook does — before any other TF code, in every fresh kernel. (Importing TF is
-# harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables (unless
-# you set them), to keep TF's C++ log lines out of the notebook and to turn off oneDNN's custom
-# operations (oneDNN: Intel's library of fast CPU kernels). Across machines the last bits may
-# still differ (the aside says why), and two
-# ways of computing one number may add in different orders: the lesson's comparisons state a
-# tolerance.
-#
-# **▶ Aside, optional: the two variables, and why the bits may still differ** (folded
-# below).
-
-# %% [markdown]
-# <details><summary>▶ open</summary>
-#
-# `TF_CPP_MIN_LOG_LEVEL=2` keeps TF's C++ info and warning lines out of this notebook.
-# `TF_ENABLE_ONEDNN_OPTS=0` **turns off oneDNN's custom operations** — oneDNN is Intel's
-# library of fast CPU kernels; TF replaces whole operations (convolutions, matrix products
-# fused with their bias and activation) by oneDNN versions by default on Linux x86 CPUs with
-# AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX (off by default on older CPUs), and its start-up
-# notice warns that they may give slightly different numbers because they compute in a different
-# order. With them off, TF runs its own (Eigen) operations: slower, 16-bit ones especially.
-# That does **not** make the arithmetic the same on every CPU: this build ships a custom
-# contraction kernel for Eigen's float matrix products and convolutions that can call oneDNN's
-# `dnnl_sgemm` (its header chooses it at run time, by environment variables), and both Eigen and
-# oneDNN pick their code by the CPU's instruction set (AVX2, AVX-512, …).
-#
-# </details>
+# harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables unless you
+# set them: `TF_CPP_MIN_LOG_LEVEL=2` (no C++ log lines) and `TF_ENABLE_ONEDNN_OPTS=0` (no oneDNN
+# custom operations, Intel's fast CPU kernels). The last bits may still differ across machines
+# (float matrix products can still call oneDNN's `dnnl_sgemm`, chosen at run time: Sources), and
+# two ways of computing one number may add in different orders: comparisons state a tolerance.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -186,8 +165,9 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 #
 # This notebook's row is measured below; the others are read in TF's source (Sources).
 #
-# **▶ `mirrored.cross_device_ops_in_use`** (folded below: TF has no public getter, so it reads
-# the strategy's private `extended._cross_device_ops`).
+# TF has no public getter: `mirrored.cross_device_ops_in_use` reads the strategy's private
+# `extended._cross_device_ops` and that object's `_options.implementation`; the next cell prints
+# both (**▶ its code**, folded below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(mirrored.cross_device_ops_in_use,
@@ -196,8 +176,8 @@ viz.show_code(mirrored.cross_device_ops_in_use,
 # %%
 # NBVAL_IGNORE_OUTPUT
 # (why: the implementation is the profile's: RING on CPUs or once a GPU is split, else NCCL.)
-ops_name, ops_impl = mirrored.cross_device_ops_in_use(strategy)
-print(f"this strategy sums gradients with {ops_name}, implementation {ops_impl}")
+ops_name, ops_impl = mirrored.cross_device_ops_in_use(strategy)   # reads the two attributes:
+print(f"strategy.extended._cross_device_ops: {ops_name}; its ._options.implementation: {ops_impl}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -250,6 +230,27 @@ claim("each replica gets global_batch / N examples",
 claim("together they hold the whole global batch", sum(local_sizes) == global_batch)
 
 # %% [markdown]
+# The other way in (lab 05's stretch A): `strategy.distribute_datasets_from_function(dataset_fn)`
+# calls your `dataset_fn(input_context)` and splits nothing. The `tf.distribute.InputContext`
+# says how many input pipelines there are (one per worker process), which one this is, and the
+# per-replica batch for a global batch:
+
+# %%
+seen = []   # what TF tells dataset_fn: (pipelines, this pipeline's id, per-replica batch)
+
+
+def dataset_fn(ctx):   # ctx: a tf.distribute.InputContext
+    seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id,
+                 ctx.get_per_replica_batch_size(global_batch)))
+    return tf.data.Dataset.range(4)   # each element goes whole to one replica
+
+
+strategy.distribute_datasets_from_function(dataset_fn)
+claim("one process, one input pipeline: dataset_fn ran once, as pipeline 0 of 1, told a "
+      "per-replica batch of global_batch / N", seen == [(1, 0, global_batch // n_replicas)],
+      seen=seen)
+
+# %% [markdown]
 # ### cache and prefetch
 #
 # A real image pipeline decodes files (JPEG/PNG) for every example in every epoch. `cache()`
@@ -264,22 +265,20 @@ claim("together they hold the whole global batch", sum(local_sizes) == global_ba
 viz.show_code(mirrored.make_dataset)
 
 # %% [markdown]
-# What to expect, then: cache saves the decoding of every epoch after the first, so we time
-# epoch by epoch — a second epoch that decodes again against one that reads the cache. And
-# prefetch has nothing to overlap with here, because the loop does no work with the batches —
-# it pays off when a training step runs while the next batch is prepared. Nor is "decode every
-# time" (`prefetch=False`) an unprefetched, sequential pipeline: TF 2.21's default tf.data
-# optimizations inject a prefetch after the final `batch` (`inject_prefetch`) and run the decoding
-# `map` in parallel (`map_parallelization`), both on unless the dataset's options turn them off
-# (`tensorflow/python/data/ops/options.py`). Both pipelines below get them, so the second epochs
-# compare the cache alone.
+# What to expect: cache saves the decoding of every epoch after the first, so we compare
+# second epochs: one that decodes again against one that reads the cache. Prefetch has nothing
+# to overlap with here (the loop does no work with the batches); it pays off when a training
+# step runs while the next batch is prepared. Nor is `prefetch=False` a sequential pipeline:
+# TF 2.21's default tf.data optimizations inject a prefetch after the final `batch`
+# (`inject_prefetch`) and run the decoding `map` in parallel (`map_parallelization`) in both
+# pipelines (`tensorflow/python/data/ops/options.py`), so the second epochs compare the cache
+# alone.
 #
 # An in-memory cache outlives its iterators, so each round builds both pipelines anew. A fresh
-# pipeline's first epoch may also pay one-time costs: the one that decodes every time does
-# the same work in both epochs, so its first minus its second shows them. After an untimed
-# warm-up of each kind (tracing the `map` — TF runs its Python function once to record it as a
-# graph, §4 — and loading the decoder), three rounds, the two kinds taking turns to go first;
-# a gain, or a one-time cost, is called only when every round shows one (5 % or more).
+# pipeline's first epoch may pay one-time costs: for the one that decodes every time, its first
+# epoch minus its second shows them. After an untimed warm-up of each kind (tracing the `map`,
+# §4, and loading the decoder), three rounds, the two kinds taking turns to go first; a gain or
+# a one-time cost is called only when every round shows it (5 % or more).
 
 # %% [markdown]
 # **▶ The timing's code** (folded below; its output shows: each round's two epochs, then what
@@ -342,14 +341,12 @@ else:
 # cross-device ops above) and updates every copy; `strategy.reduce` turns the per-replica
 # losses into one number. (Writing that step is lab 05.)
 #
-# Two contexts. Code inside `strategy.run(fn)` runs once per replica, in the **replica context**
-# (`tf.distribute.get_replica_context()` there is this replica's, with its `all_reduce`); code
-# outside it, such as `strategy.reduce`, runs once for all replicas, in the **cross-replica
-# context**. A **merge call** (`replica_context.merge_call(fn)`) is how replica-context code
-# reaches the cross-replica context: every replica pauses at the call, and `fn` runs once in the
-# cross-replica context with all replicas' values. **Tracing**: a `tf.function`'s first call
-# runs its Python code once, recording the TensorFlow operations into a graph that later calls
-# reuse. (**XLA**: TensorFlow's compiler, `tf.function(jit_compile=True)`.)
+# Code inside `strategy.run(fn)` runs once per replica, in the **replica context**:
+# `tf.distribute.get_replica_context()` there returns this replica's.
+# Code outside it, such as `strategy.reduce`, runs once for all replicas, in the
+# **cross-replica context**.
+# **Tracing**: a `tf.function`'s first call runs its Python code once, recording the TensorFlow
+# operations into a graph that later calls reuse.
 #
 # The replica context's `all_reduce` is also yours to call inside `strategy.run`: every replica
 # passes a value of the same shape, and every replica gets back the same combination of all of
@@ -378,9 +375,11 @@ claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all
 # come back.*
 #
 # What if one replica skips the call? TF's docstring of `all_reduce` says the operation then
-# "hangs". Merge calls explain why, under `MirroredStrategy` on this profile, it does not. The
-# replica context's `all_reduce` goes through one whenever the strategy uses merge calls
-# (`ReplicaContextBase.all_reduce`), and so does Keras' `apply_gradients`, which calls that
+# "hangs". **Merge calls** explain why, under `MirroredStrategy` on this profile, it does not. A
+# merge call (`replica_context.merge_call(fn)`) is how replica-context code reaches the
+# cross-replica context: every replica pauses at the call, and `fn` runs once with all replicas'
+# values. The replica context's `all_reduce` goes through one whenever the strategy uses merge
+# calls (`ReplicaContextBase.all_reduce`), and so does Keras' `apply_gradients`, which calls that
 # `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
 # context. In a `tf.function` a merge call runs while TF traces; eagerly, at each call.
 #
@@ -392,12 +391,15 @@ claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all
 # as graphs of their own, and a merge call made inside such a branch raises a different
 # `RuntimeError` while TF traces ("`merge_call` called while defining a new graph … control flow
 # statement which contains a synchronization point"): the step is refused before it ever runs.
+# A loop *around* `strategy.run` is no such branch: in a traced `for batch in dist_dataset:`,
+# `strategy.run` and its merge calls share the loop body's graph, so `apply_gradients` or an
+# `all_reduce` in the replica function works there.
 # The two cells below run both. By the source alone (no cell of this lesson runs it): a hang is
-# what you get where no merge call checks the replicas — a step compiled with XLA on all-GPU
-# devices, where `_use_merge_call` is false; and across the processes of
-# `MultiWorkerMirroredStrategy` (section 8): it makes merge calls by the same rule, but each
-# process counts only its own replicas, so a replica missing in *another* process leaves this
-# one's collective waiting.
+# what you get where no merge call checks the replicas — a step compiled with XLA (TensorFlow's
+# compiler, `tf.function(jit_compile=True)`) on all-GPU devices, where `_use_merge_call` is
+# false; and across the processes of `MultiWorkerMirroredStrategy` (section 8): it makes merge
+# calls by the same rule, but each process counts only its own replicas, so a replica missing in
+# *another* process leaves this one's collective waiting.
 # Here replica 0 returns before the call, eagerly first:
 
 # %%
@@ -481,16 +483,13 @@ claim(f"inside an XLA-compiled function this strategy, whose devices are "
 
 # %% [markdown]
 # **After the lab: the proofs.** The rule they rest on, for steps whose global batch is known
-# in advance (lab 05 part 1 is told no batch size): since the strategy **sums** the replicas'
-# gradients, each replica divides its summed per-example losses by the **global** batch
-# (`tf.nn.compute_average_loss` with `global_batch_size=`; called without it, the function
-# divides by its own slice × N instead, the same only when the slices are equal), and the sum
-# of the N gradients is one device's gradient of the mean over the whole global batch. Here are
-# the per-example loss, that per-replica loss, the gradient of one mirrored step as the library
-# computes them, and the one-device gradient every proof compares it with (no strategy).
-# `@tf.function` compiles the step into a TensorFlow graph (tracing: §4, before lab 05); the
-# `loss_scaling` and `grad_reduce` options select the wrong variants that the scaling bugs below
-# measure; the proofs use the defaults.
+# in advance: since the strategy **sums** the replicas' gradients, each replica divides its
+# summed per-example losses by the **global** batch (`tf.nn.compute_average_loss` with
+# `global_batch_size=`), and the sum of the N gradients is one device's gradient of the mean
+# over the whole global batch. Below: the per-example loss, that per-replica loss, one mirrored
+# step's gradient, and the one-device gradient (no strategy) every proof compares it with.
+# `@tf.function` compiles the step into a graph (tracing: §4); the `loss_scaling` and
+# `grad_reduce` options select the wrong variants measured below; the proofs use the defaults.
 
 # %%
 viz.show_code(mirrored.per_example_loss, mirrored.per_replica_loss, mirrored.mirrored_gradients,
@@ -604,7 +603,7 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # in a custom loop the default loss is already scaled, and code that divides it by the number
 # of replicas once more makes the gradient N× too small; and a loss computed once on the host
 # for a whole batch inside the scope — a validation loss, say — comes out N× too small.
-# The library's function for these rows:
+# The library's function for the Keras rows below:
 
 # %% [markdown]
 # **▶ `mirrored.keras_loss_per_replica`** (click the folded cell below).
@@ -614,12 +613,10 @@ viz.show_code(mirrored.keras_loss_per_replica,
               folded="▶ code: mirrored.keras_loss_per_replica")
 
 # %% [markdown]
-# **Seven pairings: per-replica loss × how the gradients are combined** (measured and claimed
-# below the table; the second row's, by its losses).
+# <details><summary>▶ The seven pairings: per-replica loss × how gradients combine (part of lab 05 part 1's answer) — open after your lab passes</summary>
 #
-# With every replica's slice the same size, as in every training step of this lesson (the
-# one-sample last step after the lab pointer trains nothing; what stays right when slices differ is lab
-# 05's question), each framework is right only with its own pairing:
+# Measured and claimed below. With every replica's slice the same size, as in every training
+# step of this lesson, each framework is right only with its own pairing:
 #
 # | per-replica loss | replicas' gradients | result, equal slices |
 # |---|---|---|
@@ -630,6 +627,11 @@ viz.show_code(mirrored.keras_loss_per_replica,
 # | `reduce_mean` (÷ local batch) | MEAN (DDP's all-reduce) | correct |
 # | Keras loss object, as is (local mean × 1/N) | SUM (TF's all-reduce) | correct |
 # | Keras loss object ÷ `num_replicas_in_sync` | SUM (TF's all-reduce) | N× too small |
+#
+# Called without `global_batch_size`, `compute_average_loss` divides by its own slice × N: the
+# global batch only when the slices are equal.
+#
+# </details>
 
 # %% [markdown]
 # **▶ The six pairings' gradients, measured** (the code is folded below; its output shows).
@@ -659,7 +661,7 @@ for (loss_kind, reduce_kind), grads in cases.items():
           f"= {ratios[loss_kind, reduce_kind]:.3f} x the right one")
 
 # %% [markdown]
-# **▶ The claims on those ratios** (the code is folded below; its claims show).
+# **▶ The claims on those ratios** (the code is folded below; its claims show, one folded).
 
 # %% jupyter={"source_hidden": true}
 n = n_replicas
@@ -703,9 +705,10 @@ def two_divisors(x, y):   # compute_average_loss on one replica's slice, without
 
 implicit, explicit = (np.array(strategy.experimental_local_results(v))
                       for v in strategy.run(two_divisors, args=(x_eq, y_eq)))
-claim("with equal slices, compute_average_loss without global_batch_size (÷ its slice × N) gives "
-      "each replica the loss it gives with global_batch_size= (to 1e-6 relative)",
-      np.allclose(implicit, explicit, rtol=1e-6), implicit=implicit, explicit=explicit)
+with viz.folded_output("▶ The second row's claim — open after your lab passes"):
+    claim("with equal slices, compute_average_loss without global_batch_size (÷ its slice × N) "
+          "gives each replica the loss it gives with global_batch_size= (to 1e-6 relative)",
+          np.allclose(implicit, explicit, rtol=1e-6), implicit=implicit, explicit=explicit)
 # %% [markdown]
 # **▶ Lab 05's prediction (part 0), answered — open once part 4 has measured it** (click the
 # folded cell below; its claims follow, folded too).
@@ -715,7 +718,7 @@ claim("with equal slices, compute_average_loss without global_batch_size (÷ its
 #
 # An epoch's last step of **one** sample, distributed by `experimental_distribute_dataset`: replica
 # 0 gets the sample, every other replica an **empty** slice, and `strategy.run` calls `step_fn` on
-# each of them — none sits the step out (claimed below). A Keras loss on an empty slice is caught
+# each of them — none sits the step out (claimed in the folded cell below). A Keras loss on an empty slice is caught
 # by a test on the *static* shape: Keras' `reduce_values` returns a value whose shape is known to
 # be `(0,)` untouched. So eagerly an empty slice gives an empty tensor of shape `(0,)`. Inside a
 # `tf.function` it depends on the shapes TF traces with. A plain `@tf.function` called on the
@@ -726,7 +729,8 @@ claim("with equal slices, compute_average_loss without global_batch_size (÷ its
 # `input_signature` of `None` batch size; one that reads an iterator *inside* the function, as
 # `fit` does (its shapes come from the dataset's `element_spec`, whose last batch may be short:
 # batch size `None`); or a retrace relaxed to unknown shapes (`reduce_retracing=True`, which `fit`
-# also sets). All but the last are claimed below; `fit`'s ways are read in its source (Sources).
+# also sets). All but the last are claimed in the folded cell below (open once part 4 has
+# measured your prediction); `fit`'s ways are read in its source (Sources).
 #
 # </details>
 
@@ -751,8 +755,9 @@ viz.show_code(mirrored.train_step,
 # %% [markdown]
 # **Proof, several steps:** `steps` SGD steps of the mirrored loop (its step: the folded
 # reference answer above) end with the same weights as one device on the same global batches.
-# (These weights are also the reference for the multi-worker run and for PyTorch below.) The
-# step is a `tf.function`, so its first call traces it (tracing: before lab 05). While TF traces the step,
+# The claims below run that library reference; lab 05's checks hold your step to the same
+# one-device result. (These weights are also the reference for the multi-worker run and for
+# PyTorch below.) While TF traces the step,
 # `mirrored.count_cross_device_calls` counts what reaches the two cross-device ops, so we also
 # see which one carried the gradients and which one the reported loss. It wraps the cross-device
 # ops' `reduce_implementation` and `batch_reduce_implementation` methods (the ones `reduce` and
@@ -1192,10 +1197,9 @@ viz.show(fig, "from the same initial weights on the same batches, the two framew
 # %% [markdown]
 # The two training steps, as code. The differences are the table above in miniature: TF runs
 # the step through `strategy.run` and divides each replica's summed loss by a global batch
-# given in advance (`compute_average_loss` with `global_batch_size=`: right when every step is
-# full; lab 05 part 1 is told no batch size), because its all-reduce sums; DDP hides its
-# all-reduce in `backward()` and averages. The diff shows the whole TF step — part of lab 05 part
-# 3's answer — so it is folded.
+# given in advance (`compute_average_loss` with `global_batch_size=`), because its all-reduce
+# sums; DDP hides its all-reduce in `backward()` and averages. The diff shows the whole TF
+# step — part of lab 05 part 3's answer — so it is folded.
 
 # %% [markdown]
 # **▶ The two steps as a diff (part of lab 05 part 3's answer) — open after your lab passes** (click the folded cell below).
@@ -1217,22 +1221,19 @@ viz.show_code("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.
 # * Split the devices **first**; TF fixes them on first use.
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
 # * TF **sums** replicas' gradients, DDP averages them: for full steps each replica divides its
-#   summed loss by the **global** batch (`compute_average_loss` with `global_batch_size=`; without
-#   it, by its slice × N); `reduce_mean` makes the gradient N× too big, averaging again N× too small. A
-#   Keras loss object (default reduction) is already scaled (its slice's mean × 1/N, right for
-#   equal slices): dividing it again makes the gradient N× too small; and since it is scaled
+#   summed loss by the **global** batch (`compute_average_loss` with `global_batch_size=`);
+#   `reduce_mean` makes the gradient N× too big, averaging again N× too small. A
+#   Keras loss object (default reduction) is already scaled (its slice's mean × 1/N):
+#   dividing it again makes the gradient N× too small; and since it is scaled
 #   wherever the strategy is current, a whole batch's loss computed on the host under
 #   `strategy.scope()` comes out N× too small.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs or once
-#   any GPU in the process is split, else NCCL); `ReductionToOneDevice` — copy to one device, add, send
-#   back — is what you get with mixed devices or ask for, and, whenever merge calls are on
-#   (always, except under XLA on all-GPU devices), what `strategy.reduce` uses to bring a
-#   per-replica result to the host.
+#   any GPU in the process is split, else NCCL); `ReductionToOneDevice` is what you get with
+#   mixed devices or ask for, and, whenever merge calls are on, what `strategy.reduce` uses to
+#   bring a per-replica result to the host.
 # * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`; a
 #   custom loop that wraps it must also call `optimizer.scale_loss(loss)` in the tape, or every
-#   gradient is 1/32768 (and smaller still as the scale grows) of what it should be — measured
-#   with float32 layers; with float16 ones, of a gradient whose small intermediate values
-#   underflowed besides.
+#   gradient is 1/32768 or less of what it should be (measured with float32 layers).
 # * Proven here: mirrored step == one device on the global batch == Keras `fit` == two
 #   multi-worker processes == PyTorch DDP, from the same weights on the same data.
 #
@@ -1286,18 +1287,19 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/libtensorflow_framework.so.2` (compiled; its strings): the notice "oneDNN custom operations are on … To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`".
 # - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — under `TENSORFLOW_USE_MKLDNN_CONTRACTION_KERNEL` Eigen's float contractions (matrix products, convolutions) can call oneDNN's `dnnl_sgemm`; `UseCustomContractionKernels()` decides at run time ("a runtime check, that uses environment variables"); `tensorflow/libtensorflow_cc.so.2` contains that symbol.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce`: called inside `strategy.run`, every replica passes a value of the same shape and gets back the combination of all of them; all replicas must make the call, in the same order.
+# - `tensorflow/python/distribute/distribute_lib.py` — `InputContext`: `num_input_pipelines`, `input_pipeline_id`, `get_per_replica_batch_size`; `Strategy.distribute_datasets_from_function`: `dataset_fn` is called on each worker's CPU, one input pipeline per worker, and its dataset is not batched or sharded again.
 # - `tensorflow/python/data/ops/options.py` — `OptimizationOptions.inject_prefetch` and `map_parallelization` both "default to True": a prefetch after the final `batch`, and a parallel `map`.
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.reduce` requires the cross-replica context (`_require_cross_replica_or_default_context_extended`) and calls `_reduce` → `reduce_to`, no merge call.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values; `tensorflow/python/distribute/mirrored_run.py` — `_MirroredReplicaContext._merge_call` records whether it was entered eagerly (`merge_call_entered_in_eager`), and `_call_for_each_replica` runs the merge function eagerly when it was entered eagerly (at each call), in the graph being traced otherwise.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.replica_id_in_sync_group`: "Returns: a `Tensor`" (an int32 constant); `tensorflow/python/autograph/operators/control_flow.py` — `if_stmt`: in a `tf.function`, an `if` on a tensor is staged as a `tf.cond` (`_tf_if_stmt`).
-# - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce`, `NcclAllReduce`.
+# - `tensorflow/python/distribute/cross_device_ops.py` — `ReductionToOneDevice.reduce_implementation` (copy to one device, `add_n`, broadcast back), `CollectiveAllReduce` (`__init__` keeps its options in the private `_options`), `NcclAllReduce`.
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
 # - `tensorflow/python/distribute/cross_device_ops.py` — `CollectiveAllReduce._all_reduce`: the dense gradients go through `cross_device_utils.group_by_size(dense_values, options.bytes_per_pack)` and then `CollectiveReplicaLauncher.batch_all_reduce` (`tensorflow/python/distribute/cross_device_utils.py`), which in a `tf.function` concatenates each pack into one all-reduce (eagerly: one per tensor); `group_by_size`: `bytes_per_pack == 0` gives a single pack; `tensorflow/python/distribute/collective_util.py` — `Options.__init__`: `bytes_per_pack=0` by default (MirroredStrategy's options set only `implementation`: `MirroredExtended._make_collective_ops_with_fallbacks`).
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`.
-# - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given; without it (`global_batch_size is None`, lines 116-128), by the replica's own batch (`shape(per_example_loss)[0]`) × `num_replicas_in_sync` (the docstring's "Defaults to", lines 98-99).
+# - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given (what it does without it: Sources that answer lab 05).
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling; `scale_loss_for_distribution` reads the factor from `tf.distribute.get_strategy().num_replicas_in_sync`, so it applies wherever that returns the strategy, host code under `strategy.scope()` included.
-# - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`, the eager check, lines 234-237); `_MirroredReplicaContext._merge_call`: a merge call made in a graph other than the one being traced — inside a control-flow branch of a `tf.function` — raises "`merge_call` called while defining a new graph or a tf.function … control flow statement which contains a synchronization point" (lines 490-503); `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
+# - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`, the eager check, lines 234-237); `_MirroredReplicaContext._merge_call`: a merge call made in a graph other than the one being traced — inside a control-flow branch of a `tf.function` — raises "`merge_call` called while defining a new graph or a tf.function … control flow statement which contains a synchronization point" (lines 490-503), the test being `ops.get_default_graph() != t.graph` (line 501), the graph `strategy.run` was called in: a `tf.function`'s loop around `strategy.run` calls it in the loop body's graph, where its merge calls are made too, so no error; a loop *inside* the replica function gives its body a graph of its own, and a merge call there raises; `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
 # - `keras/src/metrics/metric.py` — `Metric.add_variable`: a metric's state variables are created with `synchronization="on_read"` (line 204); `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._create_variable` calls `distribute_utils.create_mirrored_variable` with `VARIABLE_CLASS_MAPPING` (`tensorflow/python/distribute/distribute_utils.py`, lines 480-484): `ON_WRITE` (the default) → `MirroredVariable`, `ON_READ` → `SyncOnReadVariable`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value); `SyncOnReadVariable._get_cross_replica`: read in the cross-replica context, the copies are combined by `strategy.reduce` with the variable's aggregation (the first replica's copy for `ONLY_FIRST_REPLICA`).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
@@ -1323,6 +1325,7 @@ viz.quiz(quizzes.questions("05"))
 # - `keras/src/losses/loss.py` — `reduce_values` (lines 140-161): a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._make_function`: `fit`'s `multi_step_on_iterator` calls `iterator.get_next()` inside a `tf.function(..., reduce_retracing=True)`, so the step is traced with the dataset's element spec (a batch dimension of `None` where the last batch may be short), and `one_step_on_data` is a `tf.function` with `reduce_retracing=True` too.
 # - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`; `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
+# - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given; without it (`global_batch_size is None`, lines 116-128), by the replica's own batch (`shape(per_example_loss)[0]`) × `num_replicas_in_sync` (the docstring's "Defaults to", lines 98-99).
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.distribute_datasets_from_function`: the function's dataset is batched per replica (`InputContext.get_per_replica_batch_size`: the global batch divided by the context's `num_replicas_in_sync`, the replicas of every worker).

@@ -281,7 +281,7 @@ def distributed_train_step(strategy, model, optimizer, dist_batch):
             loss = per_replica_loss(y, logits)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        ### BEGIN SOLUTION: what this replica reports: its loss and what its accuracy is made of
+        ### BEGIN SOLUTION: what this replica returns: the step's exact loss and accuracy follow from it
         hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32))
         count = tf.cast(tf.shape(y)[0], tf.float32)
         return loss, hits, count
@@ -374,8 +374,8 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 #
 # The pipeline batches by the per-replica size, global batch / replicas. Cutting the data is per
 # pipeline: with one pipeline it keeps everything, and the replicas still see different samples
-# because they take different batches. Where to read (lesson 05 does not show it):
-# `tf.distribute.InputContext` (TF 2.21, `distribute/distribute_lib.py`) holds
+# because they take different batches. Lesson 05 §3 printed an input context's fields; to read
+# more: `tf.distribute.InputContext` (TF 2.21, `distribute/distribute_lib.py`) holds
 # `num_input_pipelines`, `input_pipeline_id`, `num_replicas_in_sync` and
 # `get_per_replica_batch_size(global_batch)`; `tf.data.Dataset.shard(num_shards, index)` keeps
 # every `num_shards`-th element, starting at `index`.
