@@ -77,11 +77,13 @@ def test_rows_say_wrong_output_raised_and_too_slow(tmp_path, no_leftovers):
                        [("raise ValueError('the ring lost a chunk')", None)])
     slow = _notebook(tmp_path / "slow.ipynb", [("import time; time.sleep(60)", None)])
     env = dict(os.environ, PYTHONPATH=str(ROOT / "lib"))
-    # The too-slow notebook mostly waits out its 8 s bound: it runs beside the other two
-    # (a thread of its own), not after them; each run is still its own pytest and kernel.
-    with ThreadPoolExecutor(1) as pool:
+    # The too-slow notebook mostly waits out its 8 s bound, and the other two mostly wait for
+    # their pytest and kernel to start and stop: the three run side by side (a thread each),
+    # not one after another; each run is still its own pytest and kernel.
+    with ThreadPoolExecutor(2) as pool:
         too_slow = pool.submit(doctor_run.run_one, ROOT, slow, timeout=8, env=env)
-        _rows_of_the_other_two(wrong, raises, env)
+        raised = pool.submit(doctor_run.run_one, ROOT, raises, timeout=120, env=env)
+        _rows_of_the_other_two(wrong, raised, env)
         r = too_slow.result()
     assert not r.passed and "did not finish within 8 s" in r.failures[0]
 
@@ -91,7 +93,7 @@ def test_rows_say_wrong_output_raised_and_too_slow(tmp_path, no_leftovers):
     assert doctor_run.summary(rows) == "1 of 2 passed in 3 s; failed: b"
 
 
-def _rows_of_the_other_two(wrong, raises, env):
+def _rows_of_the_other_two(wrong, raised, env):
     r = doctor_run.run_one(ROOT, wrong, timeout=120, env=env)
     assert not r.passed and r.counts["failed"] == 2 and r.counts["passed"] == 1
     assert len(r.failures) == 2 and r.failures[0].startswith("Cell 1:")
@@ -102,7 +104,7 @@ def _rows_of_the_other_two(wrong, raises, env):
     shown = doctor_run.format_row(r)
     assert "mismatch 'stdout'" in shown and "{'stderr'}" in shown
 
-    r = doctor_run.run_one(ROOT, raises, timeout=120, env=env)
+    r = raised.result()  # the raising notebook's row, run beside this one
     assert not r.passed
     assert r.failures[0].startswith("Cell 0:") and "the ring lost a chunk" in r.failures[0]
 

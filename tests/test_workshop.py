@@ -325,15 +325,21 @@ def test_ranks_times_threads_above_the_cores_is_named():
 
 
 def test_a_launch_that_times_out_fails_the_check_and_leaves_nothing(no_leftovers):
-    # 0.01 s is too short for any launch: the fork server (torch preloaded) needs about 0.4 s
-    # to start two ranks, and lesson 03's step then trains and compares (0.5 s was not enough
-    # to fail: one learner in four runs finished in time). The learner's launch times out, the
-    # check says so in that learner's record, and still nothing is left running. One learner:
-    # a record per learner, side by side, is the rehearsal's (test_three_learners_at_once_...).
-    report = workshop.workshop_check(1, timeout=0.01, gpu_count=0, steps=("03",))
+    # 0.01 s is too short for any launch: lesson 04's torchrun is a new interpreter that imports
+    # torch before its agent starts a worker. The learner's launch times out, the check says so
+    # in that learner's record, and still nothing is left running. Lesson 04's step, not lesson
+    # 03's: the record and the report go through the same run_learner and format_report for
+    # either launch, and this one needs no fork server (a learner's first spawn starts one and
+    # preloads torch and torch._dynamo into it, about 10 s of this test at load 4 before the
+    # 0.01 s even began). A spawn timing out kills every rank (test_launch's
+    # test_a_hang_ends_at_the_timeout_naming_the_stuck_ranks, no process left), and a learner's
+    # fork server ends with the learner (the rehearsal's "no orphan"). One learner: a record
+    # per learner, side by side, is the rehearsal's (test_three_learners_at_once_...).
+    report = workshop.workshop_check(1, timeout=0.01, gpu_count=0, steps=("04",))
     assert not report.ok and len(report.records) == 1
     assert all(not r["ok"] and "LaunchTimeoutError" in r["error"] for r in report.records), \
         [r["error"] for r in report.records]
+    assert "torchrun did not finish within 0.01 s" in report.records[0]["error"]
     assert report.orphans == []
     assert "FAILED: LaunchTimeoutError" in workshop.format_report(report)
     assert workshop.format_report(report).rstrip().endswith("workshop check FAILED")
