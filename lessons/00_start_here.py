@@ -93,10 +93,8 @@ except LabCheckError as err:
 #
 # From lesson 03 on, one training program runs as several cooperating processes, called
 # *ranks* (numbered 0, 1, …), which exchange tensors through a *backend*: the library that moves
-# the tensors between them, **gloo** (made for CPU tensors; it has code for GPU tensors too in
-# most collectives, none in send or recv, usually copying them through the CPU's memory: lesson
-# 03's appendix finds which) or **NCCL** (NVIDIA's,
-# GPU tensors only).
+# the tensors between them, **gloo** (CPU tensors; GPU tensors only in part: lesson 03's
+# appendix) or **NCCL** (NVIDIA's, GPU tensors only).
 # Which backend the ranks use, and on which devices, depends on the machine. The lessons never ask
 # you to edit a cell to match your hardware. `dpcourse.devices` looks at the machine and picks
 # one of three profiles:
@@ -272,7 +270,7 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
 #
 # </details>
 #
-# **▶ The first run:** ask for `"cpu:gloo,cuda:nccl"` on this machine.
+# **▶ The first run:** ask for `"cuda:nccl,cpu:gloo"` (the same pair) on this machine.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # NBVAL_IGNORE_OUTPUT
@@ -287,7 +285,10 @@ def ask_for_nccl(rank, world_size):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           world_size, rank == 0)
     try:
-        dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=rank,
+        # NCCL named first: the backends are made in this order, so without a GPU the call
+        # fails before gloo connects the ranks (a rank that failed after gloo had connected
+        # could close it under a rank still connecting).
+        dist.init_process_group("cuda:nccl,cpu:gloo", store=store, rank=rank,
                                 world_size=world_size)
         outcome = "a group with NCCL for cuda tensors was formed"
         dist.destroy_process_group()
@@ -533,7 +534,8 @@ viz.quiz(quizzes.questions("00"))
 #   `is_nccl_available()` is false (a torch built without NCCL, such as the CPU-only wheel),
 #   else builds `ProcessGroupNCCL`, whose constructor raises "ProcessGroupNCCL is only
 #   supported with GPUs, no GPUs found!" on a machine without GPUs (shown above with
-#   `"cpu:gloo,cuda:nccl"`; the claim there follows the build).
+#   `"cuda:nccl,cpu:gloo"`: `_new_process_group_helper` makes the backends in the string's
+#   order, so NCCL's refusal comes before gloo connects; the claim there follows the build).
 #   `init_process_group`'s docstring, `device_id`: only with it is NCCL's communicator formed
 #   at once "rather than the normal lazy call" (the `eager_connect_single_device` call near the
 #   end of `_new_process_group_helper`). `ProcessGroup._get_backend(device)` (used in the same

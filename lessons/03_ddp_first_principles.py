@@ -9,8 +9,8 @@
 #   data, the loop) and write its averaging step yourself;
 # - prove that averaging gradients by hand, DDP, and one process on the global batch agree;
 # - explain DDP's buckets — why the first iteration reduces a single bucket (the first two,
-#   when you promise DDP that every iteration uses the same parameters), why a bucket can be
-#   far larger than its cap, and how later buckets overlap the backward — from what you record;
+#   when you promise DDP that every iteration uses the same parameters) and how later buckets
+#   overlap the backward — and measure how far a bucket can exceed its cap, from what you record;
 # - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
@@ -82,8 +82,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # they need to connect) at `MASTER_ADDR:MASTER_PORT`, which rank 0 hosts under `spawn` (under
 # `torchrun`, by default, the launcher's agent hosts it and every rank connects as a client). The
 # **backend** is the library that moves the bytes: **gloo** (a collective communication library
-# from Meta, made for CPU tensors; on GPU tensors, lesson 00's "most collectives", slowly,
-# through the CPU's memory: the appendix finds which) or **nccl** (NVIDIA's
+# from Meta, made for CPU tensors; it runs most collectives on GPU tensors too, slowly, through the
+# CPU's memory: the appendix finds which) or **nccl** (NVIDIA's
 # Collective Communications
 # Library: GPU tensors only, one GPU per rank by default (lesson 00 finds the switch), much
 # faster on GPUs). In every rank `spawn` sets
@@ -358,7 +358,7 @@ if world_size == 2:   # why 2 ranks agree to the last bit: "The reducer's arithm
           all(same_bits(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)))
 else:                 # with 3 or more ranks the two round differently in the last bits
     claim(f"{world_size} ranks: first-step gradients, hand-averaged == DDP to 1e-5, not bit for "
-          f"bit: the two order their arithmetic differently",
+          f"bit: the two order their arithmetic differently (\"The reducer's arithmetic\")",
           max(max_diff(m["grads"], d["grads"]) for m, d in zip(manual, wrapped)) < tol)
 claim(f"weights after {steps} steps: hand-averaged == one process (to 1e-5)",
       max(max_diff(r["params"], single["params"]) for r in manual) < tol)
@@ -380,8 +380,8 @@ claim(f"{world_size} ranks: weights after {steps} steps == one process to 1e-5, 
 # bit-equal weights on every rank, not in its code, which is not installed), and every rank's
 # update is deterministic: the same optimizer kernels on the same kind of device, giving the
 # same bits for the same inputs (the gradients a rank computes before the all-reduce need not
-# be, since its result replaces them; `setup_rank`'s deterministic cuDNN serves the claim
-# between two launches). It
+# be, since its result replaces them; `setup_rank`'s deterministic cuDNN is for another
+# claim: that two launches of the same run give the same bits). It
 # does not make N ranks bit-for-bit equal to one process: on 3 ranks too, that agreement is to
 # a tolerance. The next cell checks both on 3 ranks (gloo, on the CPU, whatever this machine's
 # profile; a global batch of 24, since 32 does not split over 3; there the ranks' weights are
@@ -402,7 +402,8 @@ gap3 = max(three["params_manual_vs_single"], three["params_ddp_vs_single"])
 claim(f"3 ranks: weights after {steps} steps == one process on the global batch to 1e-5, not "
       f"bit for bit", 0 < gap3 < tol, three=three)
 claim("3 ranks: first-step gradients, hand-averaged == DDP to 1e-6, not bit for bit: the two "
-      "order their arithmetic differently", 0 < three["grad_manual_vs_ddp"] < 1e-6, three=three)
+      "order their arithmetic differently (\"The reducer's arithmetic\", after lab 03)",
+      0 < three["grad_manual_vs_ddp"] < 1e-6, three=three)
 
 # %% [markdown]
 # Against DDP, the hand-averaged gradients agree bit for bit on 2 ranks but not on 3: DDP orders
@@ -487,8 +488,8 @@ else:
 # %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
 # `DDP(model)` they are equal. (The worker also registers a comm hook, which the next section
-# defines and uses; this one notes which parameters each bucket holds, then averages as
-# torch's `allreduce_hook` does, dividing the whole bucket before the sum.)
+# defines and uses; this one notes which parameters each bucket holds, then averages the
+# bucket through torch's `allreduce_hook`.)
 
 # %%
 viz.show_code(ddp.ddp_internals_worker)
@@ -512,12 +513,10 @@ claim("DDP's init_sync flag defaults to True", inspect.signature(
 # (`torch.futures.Future`) holds a result that may not exist yet: `dist.all_reduce(t,
 # async_op=True)` returns a work handle whose `get_future()` is one; `fut.then(f)` returns a new
 # future that runs `f(fut)` once `fut` has completed, and inside `f`, `fut.value()` is the
-# result. Our hook stamps the time, launches an asynchronous all-reduce of the bucket through
-# torch's Python `allreduce_hook` (divide the bucket, then all-reduce it; it returns such a
-# future), and, in a `then` callback, stamps the time again when it has finished. That is not
-# DDP's own path: without a hook the reducer scales each gradient as it copies it into the
-# bucket and runs an internal C++ hook, `_AllReduceBySumCommHook`, that only sums (Sources).
-# The bucket and the collective are the same; the division happens elsewhere. A tensor hook on
+# result. Our hook stamps the time, averages the bucket asynchronously through torch's Python
+# `allreduce_hook` (it returns such a future), and, in a `then` callback, stamps the time
+# again when it has finished. Without a hook, DDP averages inside its C++ reducer instead
+# (how: "The reducer's arithmetic", after lab 03). A tensor hook on
 # every parameter stamps when its gradient is computed. We ask for buckets of 0.1 MiB
 # (102.4 KiB); the claims below measure the model against that cap.
 #
@@ -616,8 +615,9 @@ with viz.folded_output("▶ What each bucket holds — open after lab 07 part 1 
 # choice (the hazard is folded below).
 # With `find_unused_parameters=True` and no `static_graph`, the reducer never rebuilds
 # (`should_rebuild_buckets`): one bucket would then be for good, so DDP buckets by size from
-# the start. The ranks cannot disagree about the buckets (the reducer launches them
-# strictly in index order, and the rebuilt assignment is broadcast from rank 0 to the others).
+# the start. The ranks cannot disagree about which gradients a bucket holds (the rebuilt
+# assignment is broadcast from rank 0), and the reducer launches buckets strictly in index
+# order; but *when* a bucket is ready can differ between ranks (folded below).
 #
 # **▶ Going further (lesson 07's ground): the hazard one bucket guards against, and two
 # constructor flags, `static_graph` and `find_unused_parameters`, that change the first
@@ -827,8 +827,8 @@ viz.show(viz.bucket_timelines_figure({
     "in iteration 0 the single bucket waits for the last gradient: nothing overlaps. In "
     "iteration 2 the first bucket (the classifier) is in flight while the convolutions' "
     "gradients are still being computed; backward() returns only when the last bucket is done. "
-    "A bar is a latency, not a transfer time: during the backward a bucket shares the cores "
-    "with it (the next cell compares the rates).")
+    "A bar is a latency, not a transfer time: it includes waiting for the other rank and, "
+    "during the backward, sharing the cores with it (the next cell compares the rates).")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -844,7 +844,9 @@ during = [b for b in third["buckets"] if b[2] < max(t for _, t in third["grads"]
 r0, r2 = ms_per_mib(first["buckets"]), ms_per_mib(during)
 print(f"hook to callback, ms per MiB: {r0:.1f} for iteration 0's bucket, {r2:.1f} for iteration "
       f"2's buckets launched during the backward: "
-      + ("slower while they share the cores with it." if r2 > r0 else "not slower in this run."))
+      + ("slower; these bars also wait for the other rank, and this run does not tell that "
+         "wait from sharing the cores with the backward." if r2 > r0
+         else "not slower in this run."))
 last_grad = {k: max(t for _, t in it["grads"]) for k, it in (("0", first), ("2", third))}
 print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in iteration 0, "
       f"{last_grad['2']:.1f} ms in iteration 2 (compute alone, before any overlap could help).")
@@ -964,7 +966,7 @@ claim("SyncBatchNorm's forward only all-gathers (no all_reduce); its backward on
 # | | DataParallel | DDP |
 # |---|---|---|
 # | processes | 1 (threads, one GIL) | 1 per device |
-# | weights sent | every step, from device 0 | once, at the start (buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
+# | weights sent | every step, from device 0 | once, at the start, and again when a `Join` context ends (buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
 # | gradients | summed onto device 0 | all-reduced, averaged on every rank |
 # | per-step traffic at the busiest device, numbers sent + received (K: the number of gradient values, as lesson 02 counted them; times 4 for bytes in float32) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way; lesson 06 derives it) |
 # | overlap with backward | no | yes (buckets) |
@@ -1151,7 +1153,7 @@ claim("gloo has CUDA code for broadcast and all_gather (libtorch_cpu.so) and, in
       and not any(name.startswith(("Send", "Recv")) for name in with_cuda), found=gloo_cuda)
 
 # %% [markdown]
-# These are lesson 00's "most collectives" (none in send or recv): more than the all_reduce and
+# So gloo has GPU code for most collectives (none in send or recv): more than the all_reduce and
 # broadcast that PyTorch's backend table in its documentation marks. (`reduce_scatter` has no class of
 # its own, so the names say nothing about it.) It is slow with them: gloo sends and receives
 # from the CPU's memory, so these classes copy the GPU tensor there and the result back. The
@@ -1284,8 +1286,10 @@ viz.quiz(quizzes.questions("03"))
 #   `torch/distributed/utils.py`, which broadcasts rank 0's parameters and buffers. The
 #   docstring of `forward_sync_buffers`: "syncing (broadcasting) buffers of the module at
 #   runtime, including at the beginning of ``forward`` and after uneven-input joins";
-#   `_sync_final_model` (the end of a `Join`) passes `broadcast_buffers=self.forward_sync_buffers`
-#   (claimed above); `torch/distributed/algorithms/join.py` — `Join`: the context manager whose
+#   `_sync_final_model` (the end of a `Join`) broadcasts the parameters again, from a last rank
+#   to join, and passes `broadcast_buffers=self.forward_sync_buffers` (claimed above);
+#   `torch/distributed/algorithms/join.py` — `Join` (`__exit__` runs the post-hooks unless
+#   `enable=False` or an exception): the context manager whose
 #   hooks "shadow the collective communications of non-joined processes" (ranks that ran out
 #   of inputs). `register_comm_hook`: the control run's hook replaces DDP's own averaging
 #   of each bucket.

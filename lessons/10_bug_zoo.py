@@ -70,27 +70,19 @@ claim("run plainly, bug 1 only times out, naming the rank that never finished, n
       symptom.pending == [0] and "all_reduce" not in str(symptom) and ".py" not in str(symptom))
 
 # %% [markdown]
-# A rank's own error says little when the bug is that the ranks disagree. PyTorch has a
-# cross-rank tool for that: `torchfrtrace`, installed with torch, merges every rank's dump of
-# the flight recorder (each process's ring buffer of its last collectives, with the stack that
-# called each one and whether it has finished), pairs them across ranks, and names the ranks
-# missing from a collective and the collectives that differ. The recorder runs on gloo too and
-# knows where a rank stopped (section 2), but it lives in the process's memory: NCCL writes it
-# to a file on a timeout; otherwise it reaches a file only when asked, by the experimental
-# `torch.distributed.debug.start_debug_server(dump_dir=...)` (it needs Jinja2 and aiohttp):
-# rank 0 then fetches every rank's Python stacks and recorder (the CPU-side one, gloo's, and,
-# where NCCL runs, NCCL's still-active entries) and writes them to disk every `dump_interval`,
-# 60 s by default.
+# A rank's own error says little when the bug is that the ranks disagree. PyTorch's
+# cross-rank tool, `torchfrtrace` (installed with torch), merges every rank's dump of the
+# *flight recorder* (each process's record of its last collectives, section 2) and names the
+# ranks missing from a collective. But the recorder lives in the process's memory: NCCL dumps
+# it on a timeout; otherwise only the experimental `start_debug_server` writes it out (Sources).
 #
-# What the course adds, in
-# `dpcourse.detectors`, is **the collective trace**: on every rank, each `dist.<collective>`
-# call as it starts, with the line of your code that made it, and when it returns, written to a
-# file at once, so it survives a rank that hangs and gets killed; and a comparison of the ranks.
-# "Returned" is all it knows of a call, so a rank counts as *stuck* in a call only when the call
-# blocks until its partners arrive: gloo's blocking calls do. A call with `async_op=True`, and
-# an NCCL call once its *communicator* (the connections between the ranks' GPUs that its
-# collectives run over) exists, returns at once; the trace still shows what each rank called and
-# from which line, but not which one waits.
+# What the course adds, in `dpcourse.detectors`, is **the collective trace**: on every rank,
+# each `dist.<collective>` call as it starts, with the line of your code that made it, and when
+# it returns, written to a file at once, so it survives a rank that hangs and gets killed; and a
+# comparison of the ranks. A rank counts as *stuck* only in a call that blocks until its
+# partners arrive, as gloo's blocking calls do. A call with `async_op=True`, and an NCCL call
+# once its *communicator* (the connections between the ranks' GPUs) exists, returns at once: the
+# trace shows what each rank called, from which line, not which one waits.
 
 # %% [markdown]
 # `detectors.diagnose(fn, world_size, *args, timeout=...)` runs a worker (or a script) on N
@@ -123,7 +115,8 @@ claim("fixed (every rank calls it): it finishes, and the detector stays quiet", 
 # Where that report comes from: as each collective starts, `trace_collectives` writes the line
 # that called it (`caller_line`), and another line when the call returns; `read_traces` marks a
 # call done only if its end line was written, `compare_traces` finds the first call where the
-# ranks differ and calls a rank whose last call is not done *stuck*; `user_frames` keeps your
+# ranks differ (calls, like steps in this lesson, are numbered from 0: call #3 is a rank's
+# fourth) and calls a rank whose last call is not done *stuck*; `user_frames` keeps your
 # frames of the `faulthandler` stack dump (**▶ folded**: open it to read the code):
 
 # %%
@@ -267,23 +260,15 @@ claim('with no timeout=, "gloo" and "cpu:gloo,cuda:nccl" both wait 30 minutes; N
       or _get_default_timeout(Backend("nccl")) == timedelta(minutes=10)), defaults=thirty)
 
 # %% [markdown]
-# **On NCCL the same hang looks different, and it depends on whether the group's NCCL
-# communicator already exists.** NCCL forms it lazily, at the first collective on a GPU tensor,
-# unless `init_process_group` was given a `device_id` (lesson 03). If bug 1's all-reduce *is*
-# that first collective, rank 0 blocks inside the call while the communicator is set up (in
-# blocking mode by default, `ProcessGroupNCCL::useNonblocking()` off), waiting for a rank that
-# never comes; no work is queued yet, so the group's timeout has nothing to fire on. Once the
-# communicator exists (after DDP's constructor, whose broadcast is a collective, or with
-# `device_id`), an NCCL collective only queues work on the GPU's
-# stream and returns at once: Python goes on until something needs the result (a `.item()`,
-# a copy to the CPU) and blocks there, not in the collective. A watchdog thread in each
-# process checks the queued work; when it passes the timeout, the watchdog logs "Watchdog
-# caught collective operation timeout" and, by default, takes the whole process down
-# (`TORCH_NCCL_ASYNC_ERROR_HANDLING` defaults to 3, SkipCleanUp: tear the process down without
-# first aborting the NCCL communicators; 1, TearDown, aborts them first). Only with
-# `TORCH_NCCL_BLOCKING_WAIT=1`, or with a timeout passed to `work.wait(timeout)`, does `wait()`
-# block and raise in your code, as gloo does. This machine has no GPU, so this
-# is drawn from torch's source (`ProcessGroupNCCL.hpp`, `NCCLUtils.hpp`), not measured:
+# **On NCCL the same hang looks different, depending on whether the communicator exists.**
+# NCCL forms it lazily, at the first collective on a GPU tensor (unless `init_process_group`
+# got a `device_id`). If bug 1's all-reduce *is* that first collective, rank 0 blocks inside it
+# while the communicator forms, and the group's timeout has no queued work to fire on. Once the
+# communicator exists, a collective only queues work on the GPU and returns; Python blocks later,
+# where it needs the result (a `.item()`). A watchdog thread fires at the timeout and, by
+# default, takes the whole process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`). Only with
+# `TORCH_NCCL_BLOCKING_WAIT=1`, or `work.wait(timeout)`, does `wait()` raise in your code, as
+# gloo does. Drawn from torch's source (Sources), not measured; no GPU here:
 
 # %%
 viz.show(viz.timeout_behaviour_figure(),
@@ -406,7 +391,7 @@ viz.show_code(bugzoo.early_stop)
 # %%
 early = detectors.diagnose(bugzoo.early_stop, world_size, False, timeout=hang_timeout)
 print(early.report())
-claim(f"rank 0 is stuck in its 4th all_reduce, which rank {world_size - 1} never made (it had "
+claim(f"rank 0 is stuck in all_reduce call #3, which rank {world_size - 1} never made (it had "
       "returned)",
       early.pending == list(range(world_size - 1)) and early.trace.index == 3
       and early.trace.calls[world_size - 1] is None and early.trace.stuck[0]["op"] == "all_reduce")
@@ -629,7 +614,7 @@ viz.show_code(bugzoo.resume_on_one_rank)
 # %%
 resume = {f: [r["resume"][f] for r in zoo] for f in (False, True)}
 differ = [detectors.compare_checksums(step) for step in zip(*resume[False])]
-print("broken: tensors that differ across ranks at the start (0 steps taken):", differ[0])
+print("broken: tensors that differ across ranks at the start:", differ[0])
 claim("broken: the replicas differ from the start and at every step", all(differ))
 claim("fixed (every rank loads it): the checksums agree at every step",
       not any(detectors.compare_checksums(step) for step in zip(*resume[True])))
@@ -694,8 +679,8 @@ bug5 = totals([r["weights"] for r in avg[False]])
 gaps = [max(step) - min(step) for step in zip(*bug5)]
 first = min(i for i, g in enumerate(gaps) if g > 0)
 parts = (first, gaps[first], gaps[first + 1])
-claim(f"bug 5's replicas first differ after {first} step, by {gaps[first]:.2f} in the checksum "
-      f"sum, {gaps[first + 1] / gaps[first]:.0f}× more one step later",
+claim(f"bug 5's replicas first differ after step {first - 1}, by {gaps[first]:.2f} in the "
+      f"checksum sum, {gaps[first + 1] / gaps[first]:.0f}× more after step {first}",
       first == 1 and gaps[first + 1] > 5 * gaps[first], gaps=gaps)
 
 
@@ -704,10 +689,10 @@ viz.show(viz.replica_checksums_figure({
                                                 "fixed": totals(resume[True])},
     "bug 5: loss averaged, not gradients": {"broken": totals([r["weights"] for r in avg[False]]),
                                             "fixed": totals([r["weights"] for r in avg[True]])},
-}), "Weight checksums per rank against the steps taken (x = 0: the starting weights). Broken: "
-    f"one line per rank, apart from the start (bug 4) or, for bug 5, after {parts[0]} step (by "
-    f"{parts[1]:.2f}, barely visible) and clearly after {parts[0] + 1} (by {parts[2]:.2f}). Fixed "
-    "(grey, dashed): the ranks draw one line.")
+}), "Weight checksums per rank against the steps taken (x = 0: the start; after step k, "
+    f"x = k + 1). Broken: one line per rank, apart from the start (bug 4) or, for bug 5, after "
+    f"step {parts[0] - 1} (by {parts[1]:.2f}, barely visible) and clearly after step {parts[0]} "
+    f"(by {parts[2]:.2f}). Fixed (grey, dashed): the ranks draw one line.")
 
 # %% [markdown]
 # ### Bug 6: BatchNorm statistics that differ per rank
@@ -786,10 +771,9 @@ claim("under DDP (forward_sync_buffers=True), after the last step the running st
 
 # %% [markdown]
 # ### Bug 7: a NaN on one rank spreads to all
-# One corrupted sample (an `inf`) reaches rank 1 at step 3 (counted from 0: the fourth; bug 5
-# counted steps *taken*). Its loss stays finite (tanh turns the inf into ±1; printed below), but its
-# gradient is NaN; the all-reduce sums it into every rank's gradient, and from then on every rank's
-# weights are NaN. Looking at any single rank after the fact, you cannot tell where it started,
+# One corrupted sample (an `inf`) reaches rank 1 at step 3. Its loss stays finite (tanh turns
+# the inf into ±1; printed below), but its gradient is NaN; the all-reduce sums it into every
+# rank's gradient, and from then on every rank's weights are NaN. Looking at any single rank after the fact, you cannot tell where it started,
 # unless torch's own check was on (it is off by default): with `TORCH_DIST_NAN_CHECK=1` (any
 # backend; NCCL also reads `TORCH_NCCL_NAN_CHECK`), a collective first checks its input, and
 # the rank holding a NaN raises "NaN found in input tensor." (all_reduce, run below). The
