@@ -231,24 +231,21 @@ claim("together they hold the whole global batch", sum(local_sizes) == global_ba
 
 # %% [markdown]
 # The other way in (lab 05's stretch A): `strategy.distribute_datasets_from_function(dataset_fn)`
-# calls your `dataset_fn(input_context)` and splits nothing. The `tf.distribute.InputContext`
-# says how many input pipelines there are (one per worker process), which one this is, and the
-# per-replica batch for a global batch:
+# calls your `dataset_fn(input_context)` once per input pipeline. The `tf.distribute.InputContext`
+# says how many input pipelines there are (one per worker process) and which one this is:
 
 # %%
-seen = []   # what TF tells dataset_fn: (pipelines, this pipeline's id, per-replica batch)
+seen = []   # what TF tells dataset_fn: (pipelines, this pipeline's id)
 
 
 def dataset_fn(ctx):   # ctx: a tf.distribute.InputContext
-    seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id,
-                 ctx.get_per_replica_batch_size(global_batch)))
-    return tf.data.Dataset.range(4)   # each element goes whole to one replica
+    seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id))
+    return tf.data.Dataset.range(4)
 
 
 strategy.distribute_datasets_from_function(dataset_fn)
-claim("one process, one input pipeline: dataset_fn ran once, as pipeline 0 of 1, told a "
-      "per-replica batch of global_batch / N", seen == [(1, 0, global_batch // n_replicas)],
-      seen=seen)
+claim("one process, one input pipeline: dataset_fn ran once, as pipeline 0 of 1",
+      seen == [(1, 0)], seen=seen)
 
 # %% [markdown]
 # ### cache and prefetch
@@ -634,7 +631,8 @@ viz.show_code(mirrored.keras_loss_per_replica,
 # </details>
 
 # %% [markdown]
-# **▶ The six pairings' gradients, measured** (the code is folded below; its output shows).
+# **▶ Six of the seven pairings' gradients, measured** (the code is folded below; its output
+# shows). The table's second row is checked on its losses instead, in a folded claim after these.
 
 # %% jupyter={"source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
@@ -772,9 +770,10 @@ viz.show_code(mirrored.count_cross_device_calls)
 # traces the step, `make_train_step` builds the optimizer's per-variable state (momentum, Adam's
 # moments) under the strategy, so that those variables are created once, mirrored, before the
 # trace, rather than lazily during the first call of the traced function. Plain SGD, which this
-# lesson and lab 05 use, keeps no such state: for it the build creates no variable. How the
-# optimizer itself must be made is lab 05 part 2's question (this lesson's: `optimizer_in`,
-# folded above with a claim).
+# lesson and lab 05 use, keeps no such state: for it the build creates no variable. The build
+# does not touch the step counter, which the optimizer's constructor made
+# (`BaseOptimizer.__init__`): how the optimizer itself must be made is lab 05 part 2's question
+# (this lesson's: `optimizer_in`, folded above with a claim).
 
 # %%
 viz.show_code(mirrored.make_train_step, mirrored.train_steps)
@@ -881,7 +880,8 @@ claim("fit under MirroredStrategy ends with one device's weights (to 1e-5)", sam
 # ## 6. Mixed precision
 #
 # A Keras dtype policy makes layers compute in 16 bits while their variables stay float32:
-# `mixed_bfloat16` on CPUs (and TPUs), `mixed_float16` on GPUs. float16 gradients underflow
+# `mixed_bfloat16` or `mixed_float16` — Keras ties neither to a device; `mixed_float16` is for
+# GPUs without bfloat16 arithmetic (before NVIDIA's Ampere). float16 gradients underflow
 # (small values round to zero) without *loss scaling* — multiply the loss by a large factor,
 # divide the gradients by it — and bfloat16, with float32's range, needs none. It is
 # `model.compile`, not `fit`, that adds the scaling: when the **model's** policy is
@@ -968,8 +968,8 @@ claim(f"wrapping the optimizer without scale_loss makes the step 1/{scale:.0f} o
 
 # %% [markdown]
 # The output layer returns float32 logits. Same starting weights, same data: on 256 test images the
-# 16-bit model's logits are within 0.01 of float32's (the cell also prints the typical gap between
-# an image's top two logits, what a prediction change would take; an accuracy of this untrained net
+# 16-bit model's logits are within 0.01 of float32's (the second cell below prints the typical gap
+# between an image's top two logits, what a prediction change would take; an accuracy of this untrained net
 # would say nothing), and after `steps` steps of `mirrored.fit` the weights differ from the float32
 # loop's of section 4 by less than 5 % of how far the float32 training moved them (largest element
 # each). A fixed tolerance would prove nothing once it exceeds the training's own movement, which
@@ -1067,10 +1067,12 @@ claim("it restores the step counter too", restored_step == steps)
 # `CollectiveAllReduce`, implementation RING — **our worker asks for it**
 # (`CommunicationOptions(implementation=RING)`). The default, `AUTO`, runs the same ring even on
 # GPUs (TF 2's runtime takes NCCL only for the hint `"nccl"`): a GPU cluster must ask for
-# `implementation=NCCL`. Either way the all-reduce's messages between the workers travel
+# `implementation=NCCL`. With RING (ours) the all-reduce's messages between the workers travel
 # over gRPC, Google's remote-procedure-call library: the TCP transport TensorFlow's workers
 # talk through (`ServerDef(protocol="grpc")` in
-# `CollectiveAllReduceExtended._initialize_multi_worker`). No `"chief"` task is listed, so
+# `CollectiveAllReduceExtended._initialize_multi_worker`). With NCCL, gRPC only sets the group
+# up (and passes NCCL's communicator key); the tensors go through an NCCL kernel over NCCL's own
+# transport (sockets, InfiniBand, NVLink). No `"chief"` task is listed, so
 # worker 0 is the chief (`multi_worker_util.is_chief`). Starting from the same weights, both
 # workers end with the same weights as each other (bit for bit: `np.array_equal`) and as one
 # device in section 4 (to 1e-5). The worker's code — reading `TF_CONFIG`, the forced RING, its
@@ -1287,7 +1289,7 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/libtensorflow_framework.so.2` (compiled; its strings): the notice "oneDNN custom operations are on … To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`".
 # - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — under `TENSORFLOW_USE_MKLDNN_CONTRACTION_KERNEL` Eigen's float contractions (matrix products, convolutions) can call oneDNN's `dnnl_sgemm`; `UseCustomContractionKernels()` decides at run time ("a runtime check, that uses environment variables"); `tensorflow/libtensorflow_cc.so.2` contains that symbol.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce`: called inside `strategy.run`, every replica passes a value of the same shape and gets back the combination of all of them; all replicas must make the call, in the same order.
-# - `tensorflow/python/distribute/distribute_lib.py` — `InputContext`: `num_input_pipelines`, `input_pipeline_id`, `get_per_replica_batch_size`; `Strategy.distribute_datasets_from_function`: `dataset_fn` is called on each worker's CPU, one input pipeline per worker, and its dataset is not batched or sharded again.
+# - `tensorflow/python/distribute/distribute_lib.py` — `InputContext`: `num_input_pipelines`, `input_pipeline_id`; `Strategy.distribute_datasets_from_function`: `dataset_fn` is called on each worker's CPU, one input pipeline per worker.
 # - `tensorflow/python/data/ops/options.py` — `OptimizationOptions.inject_prefetch` and `map_parallelization` both "default to True": a prefetch after the final `batch`, and a parallel `map`.
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.reduce` requires the cross-replica context (`_require_cross_replica_or_default_context_extended`) and calls `_reduce` → `reduce_to`, no merge call.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values; `tensorflow/python/distribute/mirrored_run.py` — `_MirroredReplicaContext._merge_call` records whether it was entered eagerly (`merge_call_entered_in_eager`), and `_call_for_each_replica` runs the merge function eagerly when it was entered eagerly (at each call), in the graph being traced otherwise.
@@ -1296,6 +1298,7 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
 # - `tensorflow/python/distribute/cross_device_ops.py` — `CollectiveAllReduce._all_reduce`: the dense gradients go through `cross_device_utils.group_by_size(dense_values, options.bytes_per_pack)` and then `CollectiveReplicaLauncher.batch_all_reduce` (`tensorflow/python/distribute/cross_device_utils.py`), which in a `tf.function` concatenates each pack into one all-reduce (eagerly: one per tensor); `group_by_size`: `bytes_per_pack == 0` gives a single pack; `tensorflow/python/distribute/collective_util.py` — `Options.__init__`: `bytes_per_pack=0` by default (MirroredStrategy's options set only `implementation`: `MirroredExtended._make_collective_ops_with_fallbacks`).
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`.
+# - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__` creates the `iteration` step counter; `BaseOptimizer.build` does not.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given (what it does without it: Sources that answer lab 05).
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling; `scale_loss_for_distribution` reads the factor from `tf.distribute.get_strategy().num_replicas_in_sync`, so it applies wherever that returns the strategy, host code under `strategy.scope()` included.
@@ -1303,11 +1306,12 @@ viz.quiz(quizzes.questions("05"))
 # - `keras/src/metrics/metric.py` — `Metric.add_variable`: a metric's state variables are created with `synchronization="on_read"` (line 204); `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._create_variable` calls `distribute_utils.create_mirrored_variable` with `VARIABLE_CLASS_MAPPING` (`tensorflow/python/distribute/distribute_utils.py`, lines 480-484): `ON_WRITE` (the default) → `MirroredVariable`, `ON_READ` → `SyncOnReadVariable`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value); `SyncOnReadVariable._get_cross_replica`: read in the cross-replica context, the copies are combined by `strategy.reduce` with the variable's aggregation (the first replica's copy for `ONLY_FIRST_REPLICA`).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
+# - `keras/src/dtype_policies/dtype_policy.py` — `DTypePolicy` (docstring) and `_parse_name`: `"mixed_float16"` / `"mixed_bfloat16"` give compute dtype float16 / bfloat16 and variable dtype float32, with no device check.
 # - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.
 # - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`; its docstring (lines 21-24): the loss is scaled "to prevent numeric underflow in intermediate gradients when float16 is used", which scales the intermediate gradients too.
 # - `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._initialize_multi_worker`: `TF_CONFIG`'s cluster, a gRPC server per worker (`protocol="grpc"`).
 # - `tensorflow/python/distribute/collective_util.py` — `Options`: the communication implementation defaults to `AUTO`; `dpcourse/tf_multiworker_worker.py` asks for `RING`.
-# - `tensorflow/python/distribute/cross_device_utils.py` — `CollectiveReplicaLauncher.all_reduce`: `communication_hint=options.implementation.value` (`"AUTO"` by default); `tensorflow/python/ops/collective_ops.py` — `all_reduce_v2`: `communication_hint.lower()` (line 152); `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._update_config_proto`: `collective_nccl = True` only when `not ops.executing_eagerly_outside_functions()` (TF 1 graphs, lines 880-885), and its eager set-up (`_initialize_local`, `_initialize_multi_worker`) calls `configure_collective_ops` without `use_nccl_communication` (`tensorflow/python/eager/context.py`, line 1406). Read upstream (C++, not installed): `tensorflow/core/common_runtime/collective_param_resolver_local.cc` — `CollectiveParamResolverLocal::AssignCollectiveType`: NCCL only when `nccl_` (the config's `collective_nccl`) or `communication_hint == "nccl"`, on a GPU group.
+# - `tensorflow/python/distribute/cross_device_utils.py` — `CollectiveReplicaLauncher.all_reduce`: `communication_hint=options.implementation.value` (`"AUTO"` by default); `tensorflow/python/ops/collective_ops.py` — `all_reduce_v2`: `communication_hint.lower()` (line 152); `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._update_config_proto`: `collective_nccl = True` only when `not ops.executing_eagerly_outside_functions()` (TF 1 graphs, lines 880-885), and its eager set-up (`_initialize_local`, `_initialize_multi_worker`) calls `configure_collective_ops` without `use_nccl_communication` (`tensorflow/python/eager/context.py`, line 1406). Read upstream (C++, not installed): `tensorflow/core/common_runtime/collective_param_resolver_local.cc` — `CollectiveParamResolverLocal::AssignCollectiveType`: NCCL only when `nccl_` (the config's `collective_nccl`) or `communication_hint == "nccl"`, on a GPU group. Read upstream (C++, not installed; the CPU wheel's `tensorflow/libtensorflow_cc.so.2` has only its `MaybeCreateNcclCommunicator` symbol): `tensorflow/core/nccl/collective_communicator.cc` — `NcclCommunicator::Enqueue`: an NCCL all-reduce is handed to `NcclManager::AddToAllReduce` with the group's `communicator_key`, and `NcclManager` launches the NCCL kernel on a CUDA stream of its own.
 # - `tensorflow/python/distribute/multi_worker_util.py` — `is_chief`: without a "chief" task, worker 0 is the chief.
 # - `tensorflow/python/checkpoint/checkpoint.py` — `CheckpointLoadStatus.expect_partial`: silences the warnings about saved or expected objects left unmatched (so a restore checks nothing by itself: the claims in §7 compare the weights).
 
@@ -1328,6 +1332,6 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given; without it (`global_batch_size is None`, lines 116-128), by the replica's own batch (`shape(per_example_loss)[0]`) × `num_replicas_in_sync` (the docstring's "Defaults to", lines 98-99).
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.
-# - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.distribute_datasets_from_function`: the function's dataset is batched per replica (`InputContext.get_per_replica_batch_size`: the global batch divided by the context's `num_replicas_in_sync`, the replicas of every worker).
+# - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.distribute_datasets_from_function`: the function's dataset is not batched or sharded again, so it is batched per replica (`InputContext.get_per_replica_batch_size`: the global batch divided by the context's `num_replicas_in_sync`, the replicas of every worker).
 #
 # </details>

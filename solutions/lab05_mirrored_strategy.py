@@ -374,8 +374,8 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 #
 # The pipeline batches by the per-replica size, global batch / replicas. Cutting the data is per
 # pipeline: with one pipeline it keeps everything, and the replicas still see different samples
-# because they take different batches. Lesson 05 §3 printed an input context's fields; to read
-# more: `tf.distribute.InputContext` (TF 2.21, `distribute/distribute_lib.py`) holds
+# because they take different batches. Lesson 05 §3 printed the fields that name the pipelines;
+# for the rest: `tf.distribute.InputContext` (TF 2.21, `distribute/distribute_lib.py`) holds
 # `num_input_pipelines`, `input_pipeline_id`, `num_replicas_in_sync` and
 # `get_per_replica_batch_size(global_batch)`; `tf.data.Dataset.shard(num_shards, index)` keeps
 # every `num_shards`-th element, starting at `index`.
