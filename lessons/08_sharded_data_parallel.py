@@ -112,9 +112,10 @@ with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_ten
     mlp(torch.randn(4, 64))
 casts = [t for t in kept if t.shape == (64, 64)]
 claim("under autocast autograd keeps a bf16 copy of a Linear's weight until the backward "
-      "(2 bytes per weight) when the Linear's input needs a gradient: here the second's only",
+      "(2 bytes per weight): here of one weight only, the second Linear's (transposed)",
       len(casts) == 1 and casts[0].dtype == torch.bfloat16
-      and casts[0].data_ptr() != mlp[2].weight.data_ptr())
+      and casts[0].data_ptr() != mlp[2].weight.data_ptr()
+      and torch.equal(casts[0].T, mlp[2].weight.to(torch.bfloat16)))
 
 # %% [markdown]
 # The ZeRO paper's Figure 1 is this formula for a 7.5-billion-parameter model on 64 GPUs:
@@ -165,6 +166,25 @@ zero_calculator = viz.explorer(
 # as many bytes when the gradients travel in the weights' dtype (section 5 counts the case
 # where they do not).
 #
+# ### The library's stages
+# Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
+# shares a small base class, `Stage`: it broadcasts rank 0's weights to every rank, keeps the
+# trainable parameters only (a frozen one, `requires_grad=False`, gets no gradient), and lists
+# the tensors it holds by category for the byte count of section 5. `Replicated` is lesson 03's
+# DDP with an fp32 master copy: the baseline, stage 0.
+
+# %%
+viz.show_code(zero.Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors)
+
+# %% [markdown]
+# `Zero1`, the stage above: its master and Adam state are this rank's slice of the flat,
+# padded parameters; `step()` reduce-scatters the gradients into that slice, steps it, and
+# all-gathers everyone's new slices (section 3 checks it against DDP).
+
+# %%
+viz.show_code(zero.Zero1.__init__, zero.Zero1.gradient_slice, zero.Zero1.step)
+
+# %% [markdown]
 # ## 3. ZeRO-2: shard the gradients too
 # After the reduce-scatter a rank needs only the averaged gradient of its own slice. Stage 2
 # keeps that and drops the full gradients. The short way to write it does the reduce-scatter
@@ -181,17 +201,7 @@ zero_calculator = viz.explorer(
 # yours to decide under the memory bound the lab states. The check weighs the gradient
 # memory alive at every arrival, and you predict the peak before you measure it. The tool it
 # needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). Below, the
-# library's stages fold the lab's pieces behind ▶ labels.
-#
-# ### The library's stages, checked
-# Every stage has the same interface — `zero_grad()`, then your backward, then `step()` — and
-# shares a small base class, `Stage`: it broadcasts rank 0's weights to every rank, keeps the
-# trainable parameters only (a frozen one, `requires_grad=False`, gets no gradient), and lists
-# the tensors it holds by category for the byte count of section 5. `Replicated` is lesson 03's
-# DDP with an fp32 master copy: the baseline, stage 0.
-
-# %%
-viz.show_code(zero.Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors)
+# library's pieces of the lab are folded behind ▶ labels.
 
 # %% [markdown]
 # **▶ The flat-shard helpers (`reduce_scatter_mean` and its neighbours) — open after your lab passes** (click the folded cell below).
@@ -200,14 +210,6 @@ viz.show_code(zero.Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors
 viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
               zero.all_gather_flat, zero.copy_flat_into,
               folded="▶ The flat-shard helpers — open after your lab passes")
-
-# %% [markdown]
-# `Zero1`, section 2's stage 1: its master and Adam state are this rank's slice of the flat,
-# padded parameters; `step()` reduce-scatters the gradients into that slice, steps it, and
-# all-gathers everyone's new slices.
-
-# %%
-viz.show_code(zero.Zero1.__init__, zero.Zero1.gradient_slice, zero.Zero1.step)
 
 # %% [markdown]
 # **▶ `Zero2` whole, where its `step()` sends the gradients — open after your lab passes**
@@ -222,9 +224,10 @@ viz.show_code(zero.Zero2, folded="▶ Zero2 whole — open after your lab passes
 # where the weights must agree to float rounding. The same launch also runs FSDP2 and
 # `ZeroRedundancyOptimizer`, met in section 6. Every run trains in `train_run`, which weighs
 # its gradients when the backward returns and, in `weigh`, before each collective that sums
-# them. The two helpers it calls for that are shown in section 5, where their numbers are
-# checked against the formulas: `zero.count_bytes` (the bytes behind a set of tensors) and
-# `zero.summarize_traffic` (one step's recorded collectives, totalled):
+# them. It weighs by two rules, coded and checked against the formulas in section 5:
+# `zero.count_bytes` counts *storage* (a view counts once, a freed buffer zero), and
+# `zero.summarize_traffic` a step's *volume*, the whole buffer each collective acts on (an
+# all-gather's full output, the input of the others), an all-reduce counted twice:
 
 # %%
 import inspect
@@ -326,10 +329,9 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # (torch's ZeRO-3, section 6) shards a model by calls of `fully_shard(...)`, each making one
 # *parameter group* that it gathers and frees as a unit; it refuses a tied parameter split
 # across two of them, so `fsdp2_shard` puts the two layers in one `fully_shard([a, b])` group.
-# The cell also weighs ZeRO-3's traffic, by this convention: a collective's *volume* is the
-# whole buffer it acts on (an all-gather's full output, the input of the others), an
-# all-reduce counted twice; ZeRO-3's formula is 3Ψ elements, each layer's weights
-# all-gathered twice and its gradients reduce-scattered once, Ψ padded to a multiple of N.
+# The cell also weighs ZeRO-3's traffic by volume (section 3); its formula is 3Ψ elements,
+# each layer's weights all-gathered twice and its gradients reduce-scattered once, Ψ padded
+# to a multiple of N.
 # `zero.traffic_per_step` computes that formula and `zero.summarize_traffic` the recorded
 # volume; both are shown in section 5, where the one is checked against the other for every
 # stage.
@@ -453,9 +455,8 @@ viz.show(viz.zero3_timeline_figure(events, layer_names),
 # ## 5. Counted: memory and traffic
 # Now in mixed precision — bf16 weights and gradients, fp32 master and Adam state, the
 # setting of the formula — at N = 2, 3 and 4. After the last step each rank counts the bytes
-# behind every tensor it holds, by *storage*: a view counts once, a freed buffer counts zero.
-# Every collective is recorded too. `count_bytes`'s `to_local` line is for section
-# 6's FSDP2, whose parameters are *DTensors*: one logical tensor cut across the ranks, of
+# behind every tensor it holds, by storage (section 3's rule). Every collective is recorded
+# too. `count_bytes`'s `to_local` line is for section 6's FSDP2, whose parameters are *DTensors*: one logical tensor cut across the ranks, of
 # which `to_local()` returns the piece this rank holds.
 
 # %%
@@ -509,12 +510,11 @@ viz.show(viz.zero_memory_figure(memory),
          "(ZeRO-2), then weights (ZeRO-3); DDP's bar does not move with N.")
 
 # %% [markdown]
-# Traffic, with the convention from `dpcourse.zero`: a collective weighs the buffer it acts
-# on, an all-reduce twice (it *is* a reduce-scatter plus an all-gather); on a ring a rank sends
-# (N−1)/N of that volume — a model of the ring, not what gloo's own algorithms send.
-# Each step is recorded with lesson 07's `collectives.record_collectives`, which notes for
-# every call the bytes it passes in and the bytes it writes into; `summarize_traffic` takes
-# each call's whole buffer (an all-gather's output, the input of the others) and weighs one
+# Traffic, by section 3's volume (an all-reduce counts twice: it *is* a reduce-scatter plus
+# an all-gather); on a ring a rank sends (N−1)/N of that volume — a model of the ring, not
+# what gloo's own algorithms send. Each step is recorded with lesson 07's
+# `collectives.record_collectives`, which notes for every call the bytes it passes in and the
+# bytes it writes into; `summarize_traffic` takes each call's whole buffer and weighs one
 # step's calls with `zero.RING_WEIGHT`. DDP's own all-reduce runs in C++, past the recorder:
 # that is why `prepare_run` gives torch DDP a comm hook.
 

@@ -102,7 +102,7 @@ def grads_of(params) -> list[torch.Tensor]:
     """Each parameter's gradient, zeros where it has none (a parameter this backward did not
     reach), so that every rank flattens the same sizes into its collectives.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
     return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
@@ -165,7 +165,7 @@ class Stage:
     run would step the weights in place); we keep it so that fp32 — where the equality with
     DDP is tight — runs exactly the code that mixed precision runs.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
 
     stage = ""
@@ -208,7 +208,7 @@ class Replicated(Stage):
     model computes in ``param_dtype``; the optimizer steps an fp32 copy of all the weights,
     which is then cast back into the model. 2 + 2 + 12 = 16 bytes per parameter.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
 
     stage = "ddp"
@@ -243,7 +243,7 @@ class Zero1(Stage):
 
     The full (local) gradients still exist, as in DDP: 2 + 2 + 12/N bytes per parameter.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
 
     stage = "zero1"

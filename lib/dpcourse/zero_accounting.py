@@ -118,7 +118,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     exp_avg_sq, SGD's momentum_buffer). Adam's 0-d ``step`` counters are left out: 4 bytes
     per tensor, whatever its size, which the formula ignores too.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
     tensors = [p for group in optimizer.param_groups for p in group["params"]]
     for state in optimizer.state.values():
