@@ -185,8 +185,8 @@ claim("from 2 to 4 ranks each rank's parameter shard halves, while the activatio
 print("saved besides the activations:", {n: rs[0]["other_saved"] for n, rs in held.items()},
       "bytes referenced;", {n: rs[0]["other_resident"] for n, rs in held.items()},
       "bytes still held once the forward returns")
-claim("autograd also references whole weights, not shards — three 48 × 48 fp32 weights "
-      "(not the first layer's: folded below, why), the same at "
+claim("autograd also references whole weights, not shards — three of the four 48 × 48 fp32 "
+      "weights (which three, and why: folded below), the same at "
       "N = 2 and 4 — but holds none of their bytes after the forward: FSDP2 frees each "
       "unit's gathered storage at its reshard and gathers it again in the backward "
       "(lesson 08's working set, one unit at a time)",
@@ -194,7 +194,7 @@ claim("autograd also references whole weights, not shards — three 48 × 48 fp3
           for rs in held.values() for r in rs))
 
 # %% [markdown]
-# <details><summary>▶ Why not the first layer's weight — open after lab 11's part 6 passes</summary>
+# <details><summary>▶ Which three, and why — open after lab 11's part 6 passes</summary>
 #
 # A `Linear` saves its weight for the gradient of its input only, and the first layer's
 # input, the data, needs no gradient. The folded cell below checks it.
@@ -522,9 +522,8 @@ claim("checked here, without the worker's slices: each parameter's gradients, jo
 
 # %% [markdown]
 # **▶ The collectives of each pass, counted — open after your lab passes**. It proves, from
-# the recorded calls, which collective each pass makes and that
-# each is over the activations' size, tokens × d; where they fall is part of lab 11's
-# answer.
+# the recorded calls, which collective each pass makes and over how many numbers; both are
+# part of lab 11's answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 act_bytes = cfg.tokens * cfg.d * 4
@@ -537,13 +536,19 @@ claim(f"the input requires a gradient here, as it would after another layer: one
           for r in tp_runs))
 
 # %% [markdown]
-# Against data parallelism: DDP all-reduces the MLP's *gradients*, Ψ = 2dh + h + d numbers,
+# <details><summary>▶ Tensor parallelism's messages weighed against data parallelism's, here
+# and in GPT-3's MLP (their size is lab 11's answer again) — open after your lab
+# passes</summary>
+#
+# DDP all-reduces the MLP's *gradients*, Ψ = 2dh + h + d numbers,
 # once per step (with `no_sync()` over the micro-batches; by default torch DDP all-reduces
 # after every backward); each of tensor parallelism's messages is over *activations*, tokens × d
-# numbers, and they come back with every micro-batch (how many per pass is lab 11's). One
-# grows with the model, the other with the tokens:
+# numbers, and they come back with every micro-batch. One
+# grows with the model, the other with the tokens: the folded cell below.
+#
+# </details>
 
-# %%
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 dp_bytes = cfg.num_params * 4
 tp_one = cfg.tokens * cfg.d * 4
 print(f"this MLP: DP all-reduces {dp_bytes} bytes per step; one TP message is over "
@@ -1185,7 +1190,14 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # a pipeline message carries a full activation per GPU (the paper's scatter-gather sends 1/t).
 
 # %%
-viz.show_code(planner.Cluster, planner.within_nodes, planner.plan_row, planner.plan)
+viz.show_code(planner.Cluster, planner.within_nodes, planner.plan)
+
+# %% [markdown]
+# **▶ `planner.plan_row`, which prices one configuration as described above (its
+# tensor-parallel lines price lab 11's answer) — open after your lab passes**.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(planner.plan_row, folded="▶ planner.plan_row — open after your lab passes")
 
 # %% [markdown]
 # **▶ `planner.TP_MESSAGES_PER_LAYER`, the tensor-parallel messages `plan_row` counts, checked

@@ -225,7 +225,7 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
 
     s, b, d = model.seq_len, micro_batch, model.hidden
     act_msg = 2 * s * b * d                           # one activation, 16-bit
-    ring = (lambda k: 2 * (k - 1) / k)                # each TP collective's share sent, k ranks
+    ring = (lambda k: 2 * (k - 1) / k)                # a TP message's share one rank sends, k ranks
     per_layer = TP_MESSAGES_PER_LAYER["forward"] * (2 if recompute else 1) \
         + TP_MESSAGES_PER_LAYER["backward"]
     tp_msgs = layers_here * m * per_layer if tp > 1 else 0
@@ -265,7 +265,7 @@ def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: i
          stages=("ddp", "zero1", "zero3"), recompute: bool = True,
          grad_bytes: float = 2, order: str = "tp-pp-dp") -> list[dict]:
     """Every configuration that fits, fastest estimate first: each tensor size t dividing the
-    heads and the GPUs of a node (:func:`within_nodes`: tensor parallelism all-reduces in every
+    heads and the GPUs of a node (:func:`within_nodes`: tensor parallelism communicates in every
     layer, so its groups stay on the node's fast links), each pipeline size p dividing the
     layers, each data-parallel flavour
     in ``stages``, where the GPUs and the global batch split evenly; ``grad_bytes`` and
