@@ -200,6 +200,39 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# Longest files first. `-n 2 --dist loadfile` hands whole files to the two workers in the
+# order of the work queue; xdist's default queue is sorted by *number of tests*, which puts
+# files with few but slow tests (the workshop's, the doctor's, the install's) last, where one
+# of them can leave a worker running alone for a minute at the end. Ordered by seconds
+# instead (the largest first: the classic longest-processing-time rule), the two workers end
+# closer together. tests/file_seconds.txt is the table CI's log prints ("slowest files"),
+# copied in; a file missing from it is weighted as a typical (median) one, and
+# test_repo.py asks for the table to name every file.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.txt")
+
+
+def _file_seconds() -> dict:
+    table = {}
+    for line in FILE_SECONDS.read_text().splitlines():
+        if line.strip():
+            seconds, path = line.split()
+            table[path] = float(seconds)
+    return table
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):   # pytest-xdist is active
+        config.option.loadscopereorder = False        # keep our order (set below) as the queue
+
+
+def pytest_collection_modifyitems(config, items):
+    table = _file_seconds()
+    typical = sorted(table.values())[len(table) // 2] if table else 0.0
+    # A stable sort on the file's weight alone keeps each file's tests (and each notebook's
+    # cells) together and in their own order.
+    items.sort(key=lambda item: -table.get(item.nodeid.split("::")[0], typical))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_mistake_memory():
     """A check shows a mistake's fix only when the learner meets it again in the same kernel

@@ -238,3 +238,16 @@ def test_the_architecture_map_places_every_module_once():
         f"not on the map: {sorted(MODULES - set(placed))}; on the map but not in the library: "
         f"{sorted(set(placed) - MODULES - {'__main__'})}; twice: "
         f"{sorted({n for n in placed if placed.count(n) > 1})}")
+
+
+def test_the_suite_order_table_names_every_file():
+    """tests/conftest.py hands the xdist workers the slowest files first, by the seconds in
+    tests/file_seconds.txt (CI's "slowest files" table, copied in). A new test file or notebook
+    missing from it would be guessed at: name it there, with its seconds from CI's log."""
+    table = {line.split()[1] for line in
+             (ROOT / "tests" / "file_seconds.txt").read_text().splitlines() if line.strip()}
+    files = {str(p.relative_to(ROOT)) for pattern in ("tests/test_*.py", "lessons/*.ipynb",
+                                                       "solutions/*.ipynb")
+             for p in ROOT.glob(pattern)}
+    assert not files - table, f"missing from tests/file_seconds.txt: {sorted(files - table)}"
+    assert not table - files, f"no longer there: {sorted(table - files)}"
