@@ -211,40 +211,26 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 # ## Throughput, and where the time goes
 #
 # *Samples per second* is the number data parallelism is meant to multiply. It can depend on
-# the batch size, three ways:
+# the batch size, two ways:
 #
 # 1. A bigger batch gives the hardware bigger matrices per step and fewer Python round trips
-#    per sample, which pays off until the hardware is saturated; from there the rate stays flat.
-# 2. A GPU usually needs large batches to be saturated; a CPU with a couple of cores may be
-#    saturated by small ones, so here the difference can be small or lost in the noise.
-# 3. A bigger batch can also be *slower*: its intermediate tensors grow with it, and once they
+#    per sample, which pays off until the hardware is saturated; from there the rate stays
+#    flat. Where that point lies depends on the hardware: a GPU usually needs large batches, while
+#    a CPU with a couple of cores may be saturated by small ones, so here the gain can be
+#    small or lost in the noise.
+# 2. A bigger batch can also be *slower*: its intermediate tensors grow with it, and once they
 #    no longer fit in the processor's caches every layer reads and writes main memory.
 #
-# Which of these shapes the rates take here is measured, not assumed; which cause is behind
-# them, these runs do not measure:
-#
-# - **The runs.** Batch sizes from 4 (Python's per-step work shared by few samples) to 256,
-#   the same 256 samples per setting, interleaved, seven rounds, the median of each. The runs of one round are back to back, in an order shuffled anew each
-#   round by a seeded generator of its own, so a slow moment that lasts a round hits them all,
-#   and a shorter one does not always fall on the same batch sizes.
-# - **One thread.** The runs use one *intra-op* thread: the threads torch starts to split
-#   **one** operation (a convolution, a matrix multiply) over the cores, one per core by
-#   default (`torch.get_num_threads()`), as opposed to the Python threads *you* start. Split
-#   over every core, an operation waits for its slowest thread, so a busy neighbour (another
-#   notebook, a test) taking one core can slow it several-fold while a round's other runs
-#   escape; one thread shares the machine's slow moments more evenly. (A reason for the
-#   setting, not a result: this lesson does not time the neighbour.)
-# - **The verdict.** `train.compare_rates` calls one batch size "faster" or "slower" than
-#   another only when it won every round (`outliers=0`); "no clear difference" otherwise.
-#   `train.rate_shape` judges each step from one size to the next the same way and names the
-#   shape the steps make (rising, a plateau, a peak then slower), or none. How often noise
-#   alone names one: simulated, folded, before the verdict.
-# - **The clock.** `ThroughputMeter` (folded below, with `make_loaders` and `fit`) synchronizes
-#   a GPU before reading the clock: CUDA runs asynchronously, and without the sync you would
-#   time how fast Python *queues* work.
-# - **What it counts.** `train_one_epoch` starts the meter after the batch has been fetched and
-#   moved to the device, and stops it after the optimizer step: every rate in this lesson (the
-#   epochs of `fit` above too) is the rate of the training step alone, the loader's time left out.
+# Which shape the rates take here is measured, not assumed; which cause is behind them, these
+# runs do not measure. **The method:** batch sizes from 4 to 256, the same 256 samples each,
+# seven rounds, each round in a newly shuffled order, on one *intra-op* thread (torch's
+# threads that split one operation over the cores; why one: folded after the verdict); the
+# median of each size. A size is called faster or slower than another only when it won every
+# round (`train.compare_rates`; `train.rate_shape` applies the rule to each step from one
+# size to the next and names the shape), "no clear difference" otherwise. `ThroughputMeter`
+# (folded below) synchronizes a GPU before reading the clock (CUDA runs asynchronously), and
+# `train_one_epoch` times the training step alone: every rate in this lesson (the epochs of
+# `fit` above too) leaves the loader's time out.
 #
 # So these rates do not say what fetching costs. The next section times it: batches sliced in
 # advance (a floor: no loader runs inside the clock), `make_loaders`' `DataLoader` (it gathers
@@ -335,15 +321,15 @@ smallest, largest = min(batch_sizes), max(batch_sizes)   # the pair chosen befor
 print(f"On this {device.type}, one intra-op thread, this run: " + train.compare_rates(
     f"batch {smallest}", measured[smallest], f"batch {largest}", measured[largest], outliers=0))
 shape, steps = train.rate_shape(measured, outliers=0)   # each size against the next larger one
-reading = {"rising": "case 1 above: the bigger matrices still paid off",
-           "plateau": "case 1, then case 2: it paid off, then flattened (saturated, or a gain "
-                      "too small for these rounds to show)",
-           "flat": "no shape shown: case 2 (saturated by the smallest batch already) or "
+reading = {"rising": "case 1 above, not yet saturated: the bigger matrices still paid off",
+           "plateau": "case 1 above: it paid off, then flattened (saturated, or a gain too "
+                      "small for these rounds to show)",
+           "flat": "no shape shown: case 1 saturated by the smallest batch already, or "
                    "differences lost in this machine's noise, these rounds cannot tell which"}
 print(f"Step by step, a step counted only if one size won all {rounds} rounds (noise alone "
       f"names a shape {noise_named[0]:.0%} of the time, above), the rate {steps}. That is "
       + reading.get(
-    shape, "case 3 above: saturation alone would give a plateau, not a drop. What made a "
+    shape, "case 2 above: saturation alone would give a plateau, not a drop. What made a "
     "larger batch slower, this run does not say: it times whole steps, not what happens "
     "inside them (memory traffic, the kernels chosen for each shape)") + ".")
 fig = viz.new_figure(5.5, 3.2)
@@ -368,10 +354,14 @@ viz.show(fig, "training throughput per batch size on this machine (the lines onl
               "unclear where they do not.")
 
 # %% [markdown]
-# <details><summary>▶ How sure are these verdicts? (open to read)</summary>
+# <details><summary>▶ How sure are these verdicts, and why one thread? (open to read)</summary>
 #
-# The rule (`train.rate_verdict` with `outliers=0`) needs one size to win every round.
-# `compare_rates` prints a sign test's p: how often two equally fast settings would split the
+# **Rounds:** a slow moment that lasts a round hits every size; the shuffled order keeps a
+# shorter one from always falling on the same sizes. **One thread:** an operation split over
+# every core waits for its slowest thread, so a busy neighbour taking one core can slow it
+# several-fold while a round's other runs escape (a reason, not a result: the neighbour is not
+# timed). **The rule** (`train.rate_verdict` with `outliers=0`) needs one size to win every round.
+# `compare_rates` prints a two-sided sign test's p: how often two equally fast settings would split the
 # rounds so lopsidedly (seven of seven: p = 0.0156; all but one, the default rule lesson 02
 # keeps, p = 0.125, one noise call in eight). The pair, smallest and largest batch, is chosen
 # before the run: testing the slowest and fastest after it would call noise a difference far
@@ -641,21 +631,20 @@ print(f"On this {device.type}, one intra-op thread, this run: "
 # %% [markdown]
 # **Beyond this CPU.** To measure the whole ladder on your device — naive float32, TF32,
 # bf16/fp16 autocast, channels_last, `torch.compile` and all of them together, on ResNet-18 —
-# run `python -m dpcourse.bench single` in a terminal. *TF32* (TensorFloat-32) is a mode of
-# NVIDIA GPUs since Ampere in which float32 matrix multiplies and convolutions run on tensor
-# cores with a 10-bit mantissa (float32's range, less precision). *channels_last*
-# (`model.to(memory_format=torch.channels_last)`) stores each pixel's channels next to each
-# other (NHWC instead of NCHW), the layout fast GPU convolution kernels prefer. No GPU numbers
-# are stored in this course: run the command there to get yours. The one practical rule for
-# TF32: torch has two families of switches, the `allow_tf32` flags and the newer
-# `fp32_precision` knobs; pick one family and keep to it (mixing them makes reads of the old
-# ones raise, `torch.compile`'s included). The folded cells below show why, on this CPU.
+# run `python -m dpcourse.bench single` in a terminal; no GPU numbers are stored in this
+# course. What TF32 and channels_last are, and how to switch TF32 on safely: folded below.
 
 # %% [markdown]
 # **▶ For GPU users: the details** (click the folded cells below).
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
+#
+# *TF32* (TensorFloat-32): on NVIDIA GPUs since Ampere, float32 matrix multiplies and
+# convolutions run on tensor cores with a 10-bit mantissa (float32's range, less precision).
+# *channels_last* (`model.to(memory_format=torch.channels_last)`) stores each pixel's channels
+# together (NHWC, not NCHW), the layout fast GPU convolution kernels prefer. The practical rule
+# for TF32: of torch's two families of switches below, pick one and keep to it.
 #
 # On a GPU, torch hands convolutions to *cuDNN* and matrix multiplies to *cuBLAS*, NVIDIA's
 # libraries of deep-learning kernels and of linear algebra, and each has its own TF32 switch.

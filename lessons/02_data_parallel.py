@@ -34,11 +34,11 @@
 # 3. **parallel_apply**: run each replica on its chunk, one Python *thread* per replica when
 #    there are two or more (a lone replica runs in the caller's thread; the threads of one
 #    process share its GIL, Python's *global interpreter lock*: only one of them runs Python
-#    code at a time — on the default CPython build, the one this course runs ("Why it is
-#    slow" checks it); the optional free-threaded build, experimental in 3.13 and supported
+#    code at a time — on the default CPython build, which this course runs ("Why it is
+#    slow" checks it); the optional free-threaded build, experimental in 3.13, supported
 #    from 3.14, has none);
-# 4. **gather** the outputs on device 0 (the first listed device, `device_ids[0]`, which holds
-#    the parameters; the outputs go to `output_device`, which defaults to it), compute the loss
+# 4. **gather** the outputs on `output_device` (by default device 0, `device_ids[0]`, which
+#    holds the parameters), compute the loss
 #    there, and `backward()`: autograd carries the replicas' gradients back to the original
 #    parameters on device 0.
 #
@@ -352,7 +352,7 @@ viz.show_code(viz.record_dp_step, folded="▶ code: viz.record_dp_step")
 # broadcasts with NCCL when it can), and the backward of that broadcast brings the gradients
 # to device 0 with **an NCCL collective** when NCCL is available (NCCL pipelines the bytes
 # over the links between GPUs), and only otherwise copies every GPU's
-# gradient to device 0 (the functions are named in the folded Sources at the end). With **one** GPU it moves the input to `cuda:0` and calls the module. With **no**
+# gradient to device 0 (the folded Sources at the end name the functions). With **one** GPU it moves the input to `cuda:0` and calls the module. With **no**
 # accelerator it can use it has no `device_ids` and *silently calls the module*: no error, no
 # warning, no parallelism. "No accelerator" is torch's test, not "no CUDA": it looks for CUDA,
 # then Apple's MPS, then Intel's XPU and other backends, and treats an Apple-silicon Mac's MPS
@@ -437,7 +437,7 @@ for n in (2, 4, 8):
 
 # %% [markdown]
 # An all-reduce is the collective after which every rank holds the sum of all ranks' tensors
-# (lessons 03 and 06). A ring all-reduce (lesson 06) has every rank send 2(N−1)K/N and receive
+# (lesson 03). A ring all-reduce (derived in lesson 06) has every rank send 2(N−1)K/N and receive
 # as much: counted the
 # same way, sends plus receives, **4(N−1)K/N** — less than 4K however large N grows — and no
 # device is a bottleneck. (Per direction the comparison is (N−1)K against 2(N−1)K/N.)
@@ -687,7 +687,7 @@ print(f"On this run: {verdict}.")
 #
 # | DataParallel's cost (this lesson) | DDP's answer |
 # |---|---|
-# | replicate every step: the whole model goes out again each step, and torch's `replicate` rebuilds the replicas in Python (timed above against one chunk's forward) | the weights are broadcast **once**, then stay equal because every rank applies the same averaged gradient (a model's *buffers* still travel: next row) |
+# | replicate every step: the whole model goes out again, and torch's `replicate` rebuilds the replicas in Python (timed above against one chunk's forward) | the weights are broadcast **once** (again when a `Join` ends), then stay equal while every rank applies the same averaged gradient, deterministically, from the same optimizer state, which DDP never syncs (a model's *buffers* still travel: next row) |
 # | how the weights and gradients travel — *our copy-by-copy `dp`*: 2(N−1)K through device 0 per step, linear in N (counted above); *the real class*: NCCL's broadcast and reduce, which pipeline the bytes between GPUs, so device 0 does not carry every copy (not measured here) | the gradients move each step, in an all-reduce among equals: under 4K sent plus received per rank (lesson 06); plus, for a model with buffers (the BatchNorm of §2), rank 0's buffers, broadcast before the first forward and before each forward after a grad-enabled one outside `no_sync` (`forward_sync_buffers`, on by default: lesson 04 §4). Against the real class, what goes is the weights' trip out every step (the row above), not a bottleneck link |
 # | device 0 gathers all outputs, computes the loss alone and receives the gradients | every rank computes the loss on its own chunk |
 # | one process, one GIL, shared by every replica's Python — read from CPython's design; the demo above measures it only on a quiet machine (its verdict says if this run did) | one **process** per device |
@@ -826,7 +826,10 @@ viz.quiz(quizzes.questions("02"))
 #   `_check_sync_bufs_pre_fwd()` (lines 1782-1783), that is when `will_sync_module_buffers()`
 #   (lines 2383-2388: `require_forward_param_sync`, True from `__init__`, line 993, then set
 #   by a grad-enabled forward outside `no_sync` in `_post_forward`, lines 1829-1842, and `forward_sync_buffers`, and the module has buffers);
-#   `_sync_buffers` broadcasts from rank 0 (line 2419) when no `Join` is active.
+#   `_sync_buffers` broadcasts from rank 0 (line 2419) when no `Join` is active. The weights:
+#   `__init__` broadcasts the module's states from rank 0 (`_sync_module_states`, line 1066),
+#   `_sync_final_model` (the end of a `Join`) broadcasts `self.module`'s again (lines
+#   1947-1961); DDP holds no optimizer, so nothing of it synchronises optimizer state.
 # - `torch/nn/parallel/data_parallel.py` — `DataParallel.replicate` passes
 #   `detach=not torch.is_grad_enabled()` (lines 199-200).
 # - `torch/nn/parallel/replicate.py` — `replicate`: parameters go through `Broadcast.apply`

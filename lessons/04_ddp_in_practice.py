@@ -83,9 +83,9 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # (0..N-1 on this machine: it picks the GPU), `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, and
 # `MASTER_ADDR`/`MASTER_PORT`, where a **c10d store** listens: a small key-value server
 # (torch.distributed's `TCPStore`) in which the ranks publish their addresses to find each other
-# (section 3 draws all of this from the agents' own logs).
-# (`python -m torch.distributed.launch` is the old launcher: it passed `--local-rank` as an
-# argument and is deprecated.)
+# (section 3 shows it in the agents' logs).
+# (The deprecated old launcher, `python -m torch.distributed.launch`, passed `--local-rank` as
+# an argument.)
 #
 # Below is the diff of the course's single-device script and its DDP script (`-` lines only in
 # `train_single.py`, `+` only in `train_ddp.py`), whole but for `evaluate`, which stands as one
@@ -97,10 +97,11 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # counts them):
 #
 # - **the identity and the group:** `RANK`, `LOCAL_RANK`, `WORLD_SIZE` from torchrun; `is_main`
-#   (rank 0: the one that prints and writes files); `dist.init_process_group` with the ranks
+#   (rank 0, which prints and writes files); `dist.init_process_group` with the ranks
 #   from the environment;
 # - **one GPU per rank:** `torch.cuda.set_device(local_rank)` *before* anything touches CUDA, or
-#   every process's `.cuda()` and NCCL use GPU 0; `DDP(..., device_ids=[local_rank])`;
+#   every process's `.cuda()` lands on GPU 0, and so do NCCL's collectives on those tensors (a
+#   tensorless `barrier()`: section 10); `DDP(..., device_ids=[local_rank])`;
 # - **the restart store:** a `PrefixStore` (the same store, every key prefixed) per attempt
 #   (`store_for_this_attempt`), for the restarts of section 3, which says why;
 # - **the data:** `DistributedSampler` gives each rank its shard, `set_epoch` reshuffles it each
@@ -113,7 +114,7 @@ print("ranks:", world_size, "| backend:", profile.backend)
 #   is the whole job's, not rank 0's; so is the test accuracy (section 4 says what that takes);
 # - **the end:** rank 0 saves; a barrier; `destroy_process_group`; and, once `main` has
 #   returned, `os._exit`, which skips the interpreter's shutdown (the script's comment says
-#   why; this lesson does not reproduce it).
+#   why).
 #
 # **How to read the diff now:** read the lines of the first, second, fourth, fifth and sixth
 # bullets — they are DDP itself. Skim the rest: the restart store (`store_for_this_attempt`,
@@ -1479,8 +1480,7 @@ claim("NCCL without GPUs fails at init_process_group with a clear message",
 # ```
 #
 # and ProcessGroupNCCL, when it must guess (`torch/lib/libtorch_cuda.so`): "Guessing device ID
-# based on global rank. This can cause a hang if rank to GPU mapping is heterogeneous. You can
-# specify device_id in init_process_group()". The cure is the script's two lines:
+# based on global rank. This can cause a hang if rank to GPU mapping is heterogeneous." The cure is the script's two lines:
 # `torch.cuda.set_device(local_rank)` before anything touches CUDA, and
 # `DDP(model, device_ids=[local_rank])` (or `init_process_group(..., device_id=...)`, which
 # also binds the group to that GPU).
@@ -1559,7 +1559,9 @@ claim("the rebuild test is `(static_graph_ || !find_unused_parameters_) && !has_
 #
 # **"Call `dist.barrier()` after every step to keep ranks in sync"** and **"seed every rank the
 # same or the models diverge."** Neither, for the *model*: DDP broadcasts rank 0's weights when
-# it wraps the model, and every step's all_reduce already waits for all ranks. Below each rank
+# it wraps the model, every rank then applies the same averaged gradient from the same
+# optimizer state (which DDP never syncs: section 5), and every step's all_reduce already
+# waits for all ranks. Below each rank
 # starts from a *different* seed, trains 5 steps with no barrier, and the weights are identical
 # bit for bit. But one seed *must* be the same on every rank: `DistributedSampler`'s `seed`
 # ("should be identical across all processes", says its docstring). Each rank shuffles the
@@ -1791,7 +1793,12 @@ viz.quiz(quizzes.questions("04"))
 #   TCPStore for every retry so no need to add prefix for each attempt" does not hold for the
 #   shared store above).
 # - `torch/distributed/distributed_c10d.py` — `init_process_group` (`store=`, `device_id=`),
-#   `barrier` (the "using the device under current context" warning), `destroy_process_group`.
+#   `barrier` (the "using the device under current context" warning; lines 6340-6357: without
+#   `device_ids` or a bound device, a GPU group gets the current device; its docstring's note lists
+#   the fallbacks after those: the device a collective with tensor inputs first used, then the
+#   global rank mod the local device count), `destroy_process_group`. NCCL's device per
+#   collective: `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` —
+#   `usedDeviceIdxs_` ("Device Indexes used for all collectives in this group"), `guessDeviceId`.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__`: pads the indices to a
 #   multiple of `num_replicas` by appending the first ones (`indices += indices[:padding_size]`),
 #   or truncates them locally with `drop_last=True`, then deals them out

@@ -218,8 +218,9 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # The ring's bandwidth term is bounded by 2Kβ whatever N (from Kβ at N = 2, growing toward
 # 2Kβ); its latency term grows with N without bound. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
-# its bandwidth term is K·log N (the figure labels it "binomial tree (unpipelined)": its message
-# is not *pipelined*, cut into segments that travel one behind another, §4). So, in the
+# its bandwidth term is K·log N (the figure's "binomial tree (unpipelined)": its message is not
+# *pipelined*, cut into segments that travel one behind another, §4 — the textbook worst case;
+# NCCL's tree pipelines, folded below). So, in the
 # model, among the five: a ring for big gradients; for small messages a tree, if no extra
 # machine is allowed (the server, next, can be cheaper still); Rabenseifner's at least as cheap
 # as both when N is a power of two (all checked below). The parameter server has the fewest steps (if its link
@@ -496,12 +497,12 @@ n0 = min(fit_world_sizes)  # held out: fit on the smallest N alone, predict the 
 held = ring.fit_alpha_beta(ns[ns == n0], ks[ns == n0], t_fastest[ns == n0], cores=cores)
 miss = np.abs(held.predict(ns[ns > n0], ks[ns > n0]) / t_fastest[ns > n0] - 1)
 if miss.size:  # the bar, fixed before any run: §3's claim, median relative error under 50%
-    held_ok = bool(np.median(miss) < 0.5)
+    slow = sorted({float(held.slowdown(n)) for n in ns[ns > n0]} - {1.0})  # max(1, N/C) > 1
     print(f"fitted on N = {n0} alone, the model predicts this run's larger N with a median error "
-          f"of {np.median(miss):.0%} (max {miss.max():.0%}): "
-          + ("within" if held_ok else "outside") + " the 50% bar §3's claim set for the fit's "
-          "own points: the model's dependence on N " + ("carried" if held_ok else "did not carry")
-          + f" beyond N = {n0} on this machine.")
+          f"of {np.median(miss):.0%} (max {miss.max():.0%}): " + ("within §3's loose 50% bar (a "
+          "coarse check, not a confirmation)" if np.median(miss) < 0.5 else "outside §3's loose "
+          f"50% bar") + (f"; those predictions include the contention factor max(1, N / {cores}) "
+          f"up to {slow[-1]:g}: the check is of it as much as of 2(N−1)" if slow else "") + ".")
 t_here = float(fit.predict(8, k_resnet50))  # the contention term included: 8 ranks, `cores` cores
 print(f"the same all-reduce predicted for 8 ranks on this machine ({cores} cores): "
       f"{t_here * 1e3:.0f} ms, an extrapolation: the fit saw N = {fit_world_sizes}; predict "
@@ -891,11 +892,9 @@ for n in fit_world_sizes:
     print(f"This run, {n} ranks: " + "; ".join(f"{v} at {', '.join(sizes)}"
                                               for v, sizes in by_verdict.items()) + ".")
 wins = [(n, k) for (n, k), v in verdicts.items() if v == "the ring was faster" and k >= 2**18]
-crowded = [n for n, _ in wins if n > cores]  # ranks outnumber cores only there
 if wins:
     print(f"Ours was faster at {', '.join(f'{bench.format_size(k)} ({n} ranks)' for n, k in wins)}."
-          f" A likely cause (not isolated here): it sends fewer messages (§4)" + (f", and at "
-          f"{max(crowded)} ranks on {cores} cores each waits for a core." if crowded else "."))
+          " This run does not isolate why.")
 else:
     print("This run: ours was not clearly faster at any size from 256 KiB up.")
 one_kib = {r.world_size: r for r in table if r.nbytes == 2**10}

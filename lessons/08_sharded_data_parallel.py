@@ -177,7 +177,7 @@ zero_calculator = viz.explorer(
 viz.show_code(zero.Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors)
 
 # %% [markdown]
-# `Zero1`, the stage above: its master and Adam state are this rank's slice of the flat,
+# `Zero1`, section 2's stage 1: its master and Adam state are this rank's slice of the flat,
 # padded parameters; `step()` reduce-scatters the gradients into that slice, steps it, and
 # all-gathers everyone's new slices (section 3 checks it against DDP).
 

@@ -137,8 +137,8 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # **N²/(2(N−1))** times a ring rank's: 2× at N = 2, about N/2 for large N. In time, priced
 # by lesson 06's `ring.cost` at α = 0 (computed below, not timed), twice
 # that *for a server like ours, the whole model one message*: a ring rank sends while it
-# receives, 2(N−1)K/N·β; our server takes NK in, *then* sends NK out, 2NKβ, **N²/(N−1)**
-# times the ring's (4× at N = 2). With α > 0 the models part: `cost` charges the server 2
+# receives, 2(N−1)K/N·β; our server sends NK out, *then* takes NK in, 2NKβ, **N²/(N−1)**
+# times the ring's (4× at N = 2). With α > 0 the two models differ: `cost` charges the server 2
 # α terms, our serial server pays 2N (table). Over the whole cluster the
 # two send about the same (2NK against 2(N−1)K elements); the difference is *where*: one
 # server funnels it all through one network card. Production parameter servers avoid that
@@ -148,7 +148,7 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 #
 # |design|sends|α terms|the network must give|
 # |---|---|---|---|
-# |ours: one server, the model one message|NK, after the NK in|2N: one worker after another, out then in|one card carries everything|
+# |ours: one server, the model one message|NK, never while the NK comes in|2N: one worker after another, out then in|one card carries everything|
 # |key-value server: push, pull key by key (a key: a tensor or a slice)|NK, key i out while key i+1 comes in: time tends to the byte ratio|2 per key, overlapped|one card carries everything|
 # |sharded over all N workers, each serving 1/N|2(N−1)K/N, the ring's|2 if a rank's N−1 messages leave at once (non-blocking sends), else 2(N−1)|full bisection bandwidth (any half of the machines reaches the other half at full speed): all ranks send across the network at once|
 # |BytePS: extra CPU servers|K per worker, under the ring's once N ≥ 3|2|enough servers|
@@ -550,8 +550,8 @@ aware_runs = {s: [async_sgd.run_stale(problem, tau, big, seed_batches[s], seed=s
                                       server_cls=async_sgd.StalenessAwareServer)["loss"]
                   for tau in aware_taus] for s in seeds}
 rescued = [sum(aware_runs[s][i] < starts[s] for s in seeds) for i in range(len(aware_taus))]
-print(f"lr {big:g}, staleness-aware, seed {seed}: "
-      + ", ".join(f"τ = {t}: {v:.3f}" for t, v in zip(aware_taus, aware_runs[seed])))
+print(f"lr {big:g}, seed {seed}, fresh SGD (τ = 0): {sweep[big][0]:.4f}; staleness-aware: "
+      + ", ".join(f"τ = {t}: {v:.4f}" for t, v in zip(aware_taus, aware_runs[seed])))
 print("runs that ended below their start, of " + f"{S} seeds: "
       + ", ".join(f"τ = {t}: {c}/{S}" for t, c in zip(aware_taus, rescued)))
 
@@ -595,35 +595,33 @@ with viz.folded_output("▶ The check — open after your lab passes, stretch in
 # %% [markdown]
 # ## 3. Local SGD: average the weights every H steps
 # The opposite trade: keep the lockstep, but talk less. Each rank takes H SGD steps on its
-# own shards, then the ranks average their **weights** with an all-reduce per parameter
-# tensor (Stich 2019;
-# Lin et al. 2020, "Don't use large mini-batches, use local SGD"). With plain SGD and H = 1,
+# own shards, then the ranks average their **weights** (Stich 2019; Lin et al. 2020, "Don't
+# use large mini-batches, use local SGD"). With plain SGD and H = 1,
 # the mean of the ranks' w − lr·g<sub>r</sub> is w − lr·mean(g<sub>r</sub>): DDP's step. The
 # run below checks that after 8 steps, to 1e-6: averaging weights and averaging gradients
 # round differently, so the two agree to a tolerance, not bit for bit. Momentum and weight
 # decay keep the equality: each rank's momentum buffer follows buf ← μ·buf + g (plus the decay
 # term, linear in the weights), so the mean of the ranks' buffers follows DDP's buffer. Adam
 # does not: it divides by the square root of a running mean of *squared* gradients, and the
-# mean of the ranks' steps is not the step of the mean gradient. A small check after the run
-# compares both in float64. Communication per step
-# is divided by H. Between two averages the replicas **drift** apart; each rank measures how
-# far, just before averaging: ‖w<sub>r</sub> − w̄‖ / ‖w̄‖. The ranks keep their tensors on the
-# CPU, which NCCL refuses: gloo again.
+# mean of the ranks' steps is not the step of the mean gradient. A float64 check after the run
+# compares both. Bytes sent per step fall as 1/H. All-reduces, against DDP's, fall less: one
+# per parameter tensor here, one per bucket in DDP, and this model fits one bucket (checked
+# after the run): fewer than DDP's only once H exceeds the tensor count. Between two averages
+# the replicas **drift** apart; each rank measures how far, just before averaging:
+# ‖w<sub>r</sub> − w̄‖ / ‖w̄‖. The ranks keep their tensors on the CPU, which NCCL refuses:
+# gloo again.
 #
-# Lin et al.'s actual proposal is **post-local SGD**: train synchronously (DDP) for the first
-# steps, then switch to local SGD. Torch ships it: `PeriodicModelAverager(period=H,
-# warmup_steps=...)` (in `torch.distributed.algorithms.model_averaging.averagers`) averages
-# the parameters every H steps once the warm-up is over; `post_localSGD_hook`, a DDP
+# Lin et al. propose **post-local SGD**: train synchronously (DDP) for the first steps, then
+# switch to local SGD. Torch ships it: `PeriodicModelAverager(period=H, warmup_steps=...)`
+# averages the parameters every H steps after the warm-up; `post_localSGD_hook`, a DDP
 # communication hook, all-reduces the gradients for the first `start_localSGD_iter` steps and
 # then only within a subgroup (or not at all); `PostLocalSGDOptimizer` wraps your optimizer
 # and calls the averager after each step. We write the loop by hand to measure the drift.
 #
-# DiLoCo (Douillard et al. 2023), which trains across data centres this way, is *not* this
-# periodic averaging: inside, each worker takes H steps of AdamW (the inner optimizer); then
-# the average of the workers' *changes*, Δ = w<sub>start</sub> − mean(w<sub>r</sub>), is used
-# as a gradient by an outer optimizer — SGD with Nesterov momentum — that steps the shared
-# weights (the paper uses H = 500). With an outer SGD of lr 1 and no momentum it would be the
-# averaging below.
+# DiLoCo (Douillard et al. 2023), which trains across data centres, differs: each worker
+# takes H steps of AdamW, then the mean of the workers' *changes*, Δ = w<sub>start</sub> −
+# mean(w<sub>r</sub>), is the gradient of an outer SGD with Nesterov momentum (the paper: H =
+# 500). An outer SGD of lr 1 without momentum would be the averaging below.
 
 # %%
 viz.show_code(async_sgd.local_sgd_worker)
@@ -638,7 +636,9 @@ claim("after the last average every rank holds the same weights, for every H",
 claim(f"counted in the loop: an H-step run averaged {local_steps}/H times",
       all(local[0][h]["averages"] == local_steps // h for h in local_hs))
 drift = {h: max(max(r[h]["drift"]) for r in local) for h in local_hs}
-tensors = len(list(async_sgd.make_model(seed=seed).parameters()))   # one all-reduce per tensor
+params = list(async_sgd.make_model(seed=seed).parameters())   # one all-reduce per tensor
+tensors, model_bytes = len(params), sum(p.numel() * p.element_size() for p in params)
+caps = torch.nn.parallel.distributed._BucketCapacityConfig.create(None, None, False)  # DDP's
 start_loss_l, start_acc_l = local[0]["start"]
 print(f"start: test loss {start_loss_l:.3f}, accuracy {start_acc_l:.1%}; "
       "'sent' is the formula 2(N−1)K/N × averages (lesson 06), not a count")
@@ -650,8 +650,16 @@ for h in local_hs:
 claim(f"the replicas drift further between averages as H grows: {drift[local_hs[-1]]:.2%} at "
       f"H = {local_hs[-1]} against {drift[local_hs[0]]:.2%} at H = {local_hs[0]} (at least 2×)",
       drift[local_hs[-1]] >= 2 * drift[local_hs[0]], drift=drift)
+claim(f"DDP's first bucket (bucket_cap_mb left at None) holds up to "
+      f"{caps.first_bucket_bytes_cap:,} bytes: this {model_bytes:,}-byte model is one bucket, "
+      f"1 all-reduce a step, where this loop's H = 1 makes {tensors}",
+      model_bytes <= caps.first_bucket_bytes_cap)
 
-# %%
+# %% [markdown]
+# **▶ The float64 check's code: two replicas averaged after every step against one model
+# stepped on their mean gradient** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true}
 import copy
 
 import torch.nn.functional as F
@@ -725,10 +733,9 @@ claim(f"with {local_hs[-1]}× fewer averages, H = {local_hs[-1]} kept {kept:.0%}
 
 # %% [markdown]
 # The shards here are drawn from one distribution (IID), where local SGD is at its best: the
-# drift grows with H (printed above), yet the average of the drifted replicas still kept most
-# of H = 1's progress in test loss (the claim above: one seed; how accuracy ranks the H is
-# printed above it). Even H = 1 drifts: at this large step (lr 0.5) one
-# step on a rank's own half-batch already moves it away from the average. With non-IID
+# drift grows with H, yet the average of the drifted replicas still kept most of H = 1's
+# progress in test loss (the claim above, one seed; the accuracy ranking is printed above
+# it). Even H = 1 drifts: at this large step (lr 0.5) one step on a rank's own half-batch already moves it away from the average. With non-IID
 # shards (federated learning) or a larger step the replicas drift further (not run here): H
 # is a knob, like τ above.
 #
@@ -827,12 +834,12 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   slower progress; whether the *awareness* adds more than a smaller lr: the folded check
 #   after lab 09's pointer.
 # - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP for SGD
-#   (with momentum and weight decay too), not for Adam (measured),
-#   communication falls as 1/H, the replicas drift further apart as H grows (measured), and on
-#   IID shards H = 32 still kept more than 70 % of H = 1's test-loss reduction here (one
-#   seed; §3 prints how accuracy ranks the H too). Torch ships it
+#   (with momentum and weight decay too), not for Adam (measured), the bytes sent fall as
+#   1/H (the all-reduces less: one bucket in DDP, one per tensor here), the
+#   replicas drift further apart as H grows (measured), and on IID shards H = 32 still kept
+#   more than 70 % of H = 1's test-loss reduction here (one seed; §3 prints how accuracy ranks the H too). Torch ships it
 #   (`PeriodicModelAverager`, post-local SGD); DiLoCo adds an outer Nesterov step on the
-#   averaged change, with AdamW inside.
+#   averaged change.
 # - With SGD (here with momentum) and below the critical batch size, a k× larger batch takes a
 #   k× larger lr (the linear scaling rule; for Adam a √k rule is quoted, not run: §4). Warmup is meant for an lr
 #   that only the first steps cannot take; this problem has no such phase, and the run shows
@@ -873,7 +880,11 @@ viz.quiz(quizzes.questions("09"))
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`:
 #   `first_bucket_bytes_cap` is `dist._DEFAULT_FIRST_BUCKET_BYTES` (1048576 in the installed
 #   torch) when `bucket_cap_mb` is left `None`, so this lesson's 52 KB model fits one bucket:
-#   one all-reduce per step (question 5).
+#   one all-reduce per step (§3's claim, question 5); `compute_bucket_size_limits`: without
+#   `find_unused_parameters` or `static_graph` the buckets of the first iteration get
+#   `sys.maxsize` (one bucket for everything); `_ddp_init_helper` passes
+#   `first_bucket_bytes_cap` to the `Reducer`, which rebuilds the buckets once after the first
+#   iteration (`torch/include/torch/csrc/distributed/c10d/reducer.hpp`, `rebuild_buckets`).
 # - `torch/distributed/algorithms/ddp_comm_hooks/post_localSGD_hook.py` — `post_localSGD_hook`:
 #   global all-reduce for the first `start_localSGD_iter` iterations, then within a subgroup,
 #   or none if `post_local_gradient_allreduce` is False.

@@ -10,7 +10,9 @@ counted.
   (``python -m dpcourse.bench ddp`` runs it), and :func:`count_ddp_collectives` counts real
   DDP's all-reduces under the profiler;
 * :func:`comm_hook_worker` counts the bytes a DDP communication hook sends (fp16, bf16,
-  PowerSGD) with :func:`dpcourse.collectives.record_collectives`.
+  PowerSGD) with :func:`dpcourse.collectives.record_collectives`;
+* :func:`stretch_tools` tries, on toys, the two tools lab 07's stretch needs
+  (:func:`check_stretch_tools` holds the claim on them).
 
 Every ``*_worker`` runs on every rank through :func:`dpcourse.launch.spawn`.
 """
@@ -46,6 +48,8 @@ __all__ = [
     "timing_worker",
     "comm_hook_worker",
     "off_cpu_wire",
+    "stretch_tools",
+    "check_stretch_tools",
 ]
 
 
@@ -493,3 +497,32 @@ def off_cpu_wire(cfg: OverlapConfig, bucket_cap_mb: float, wire_ms, rounds: int 
     finally:
         wire.shutdown()
     return out
+
+
+def stretch_tools(rank: int, world_size: int) -> tuple[list[float], list[float]]:
+    """On toys, two tools lab 07's stretch needs: two asynchronous all-reduces' futures joined
+    into one, and a list gathered, one entry per rank. Returns (the joined sums, the list).
+
+    Shown in lesson 07, §6 (folded).
+    """
+    a = dist.all_reduce(torch.tensor([rank + 1.0]), async_op=True).get_future()
+    b = dist.all_reduce(torch.tensor([10.0 * rank]), async_op=True).get_future()
+    both = torch.futures.collect_all([a, b]).then(lambda f: [x.value()[0] for x in f.value()])
+    parts = [torch.empty(1) for _ in range(world_size)]
+    dist.all_gather(parts, torch.tensor([float(rank)]))
+    return [t.item() for t in both.wait()], [t.item() for t in parts]
+
+
+def check_stretch_tools(results, world_size: int) -> None:
+    """The claim on :func:`stretch_tools`' results (rank 0's), for the folded cell that shows it.
+
+    Shown in lesson 07, §6 (folded).
+    """
+    from .checks import claim
+
+    joined, gathered = results
+    n = world_size
+    claim(f"collect_all's future completes once both all-reduces have, with both sums {joined}; "
+          f"all_gather fills one list entry per rank: {gathered}",
+          joined == [n * (n + 1) / 2, 5.0 * n * (n - 1)]
+          and gathered == [float(r) for r in range(n)])
