@@ -74,10 +74,8 @@ torch.set_num_threads(1)
 # - a bucket still open when the walk is over: when did it become complete, and so where in
 #   the list does it go?
 #
-# Decide from what the cap is for: it is the size at which DDP judges one message large enough
-# that its start-up cost (lesson 06's α) no longer matters. Each choice gives different buckets
-# of the check's three models of two and three dtypes; the check refuses the ones DDP's
-# rule does not make and says what each costs.
+# Each choice gives different buckets of the check's three models of two and three dtypes;
+# the check refuses the ones DDP's rule does not make and says what each costs.
 #
 # ### Predict first: how many buckets?
 #
@@ -110,10 +108,10 @@ bucket_guess = predict("lab07", lab07.BUCKET_QUESTION, my_bucket_count, unit="bu
 # <details><summary>▶ Hint 2 — the idea</summary>
 #
 # The cap keeps messages few and large, and a message's size on the wire is bytes. A choice
-# that sends a message below the cap while gradients of its dtype are still to come pays the
-# start-up cost again for nothing; a parameter of another dtype passing by is no reason to. A
-# bucket's place in the list is the moment its last gradient arrives — however it was closed,
-# or if it never was.
+# that sends a message below the cap while gradients of its dtype are still to come pays a
+# message's start-up cost (lesson 06's α) again for nothing; a parameter of another dtype
+# passing by is no reason to. A bucket's place in the list is the moment its last gradient
+# arrives — however it was closed, or if it never was.
 #
 # </details>
 
@@ -183,7 +181,8 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 #   average, nothing is copied back;
 # - each bucket went on the wire as **one asynchronous all-reduce of its flat buffer**,
 #   launched from the gradient hooks while the backward was still running; the i-th all-reduce
-#   of every rank is **bucket i's**; and **no bucket went later than it could have**;
+#   of every rank is **bucket i's**; and **each bucket went as soon as strict bucket order
+#   let it** (no later than the backward had filled it and launched every bucket before it);
 # - the wrapper is ready for the next step.
 #
 # If a trainable parameter got no gradient in this backward, its bucket never becomes
@@ -200,7 +199,7 @@ lab07.check_bucket_prediction(bucket_guess, assign_buckets)
 # none for you, and the hints below ask the questions without choosing for you.
 #
 # The check runs your wrapper for several steps on 2 and 3 ranks beside real DDP, on models
-# chosen to meet the usual mistakes, and names the one it sees.
+# chosen to meet the usual mistakes, and names the mistake it finds.
 
 # %% [markdown]
 # ### Predict first: when does the bucket that fills first go?
@@ -412,7 +411,8 @@ lab07.check_prediction(guess, measured)
 # hold it); `torch.futures.collect_all(futures)` is a future that completes when all of them
 # have, and its value is the list of those futures; `fut.then(fn)` returns a new future at
 # once, and when `fut` completes it calls `fn` with **`fut` itself** (the completed future —
-# its value is `fut.value()`): the new future's value is whatever `fn` returns.
+# its value is `fut.value()`): the new future's value is whatever `fn` returns. Lesson 07 §6
+# tries them on toys, with `dist.all_gather`, in its fold "▶ Two tools for lab 07's stretch".
 #
 # </details>
 

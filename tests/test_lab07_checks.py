@@ -1,7 +1,7 @@
 """lab07's checks: assign_buckets (in process) and the bucketed wrapper (2 and 3 gloo ranks).
 
 Every wrong answer must fail with the sentence that names its mistake; every right variant
-(MB for MiB, index arithmetic, dividing after the wait, views set in __init__ or in the hook,
+(index arithmetic, dividing after the wait, views set in __init__ or in the hook,
 views laid out from the end of the buffer, futures, ReduceOp.AVG) must pass.
 """
 
@@ -48,7 +48,7 @@ def ddp_rule(params, cap_mb):
 
 
 def megabytes(params, cap_mb):
-    # 1 MB = 10**6 bytes instead of 2**20: close enough, and right on the check's cases; the
+    # 1 MB = 10**6 bytes instead of 2**20 (wrong: the check has a boundary in that gap); the
     # buckets inserted at their place as they complete (bisect), open ones at the end
     import bisect
     order = [p for p in params[::-1] if p.requires_grad]
@@ -128,7 +128,7 @@ def test_a_wrong_bucket_rule_gets_the_rule_only_on_the_second_meeting():
         checks._mistakes_met.clear()  # the next mutant is a first meeting of its own
 
 
-@pytest.mark.parametrize("fn", [ddp_rule, megabytes, by_indices])
+@pytest.mark.parametrize("fn", [ddp_rule, by_indices])
 def test_right_assign_buckets_pass(fn, capsys):
     lab07.check_assign_buckets(fn)
     assert capsys.readouterr().out.count("✔") == 1
@@ -234,6 +234,8 @@ def _rule(params, cap_mb, keep_frozen, weigh_frozen):
     (elements_as_bytes, "counted elements \\(p.numel\\(\\)\\) as bytes.*cap 0.05 MiB: 1 "
                         "bucket\\(s\\) where DDP makes 2"),
     (four_bytes_each, "assumed 4 bytes per element.*float64 here: 8 each"),
+    (megabytes, "your cap is 10\\*\\*6 bytes \\(MB\\); DDP's MiB is 2\\*\\*20 = 1,048,576 "
+                "bytes \\(3 float32 parameters.*closed at 1,040,000 bytes"),
     (drops_the_last, "are in no bucket"),
     (repeats_one, "in more than one bucket"),
     (names_not_params, "not one of the parameters given"),
@@ -803,6 +805,14 @@ class TrustsTheViews(ViewsFromTheStart):
         pass
 
 
+class RebindsWithoutCopy(ViewsFromTheStart):
+    # p.grad = view in __init__; a fresh tensor from autograd (set_to_none=True) is dropped:
+    # the hook points p.grad back at the view without copying the gradient in
+    def to_view(self, p, view):
+        if p.grad.data_ptr() != view.data_ptr():
+            p.grad = view
+
+
 class AddIntoTheBucket(Good):
     # a fresh gradient added to what the bucket still holds from the last step
     def to_view(self, p, view):
@@ -1008,6 +1018,9 @@ WRONG_WRAPPERS = [
     (TrustsTheViews, "(?s)in step 1, and bucket 0 went on the wire holding zeros.*never put "
                      "the gradient it was handed into the bucket.*set_to_none=True\\): "
                      "autograd then hands the hook a fresh tensor"),
+    (RebindsWithoutCopy, "(?s)p.grad is its bucket's view .* in step 1, but bucket 0 went on "
+                         "the wire holding zeros.*pointed p.grad at the view without putting "
+                         "the gradient it was handed into it.*set_to_none=True"),
     (AddIntoTheBucket, "this step's mean plus the last step's.*held the last average"),
     (AddOntoItself, "twice the mean .*add_"),
     (OverlappingViews, "views of .* overlap"),

@@ -37,8 +37,8 @@ def _params_of(numels, dtype=torch.float32) -> list:
 
 def _bucket_cases() -> list[tuple[str, list, float]]:
     """(what, parameters in registration order, cap in MiB); no boundary within 10% of a cap
-    but one exactly on it (DDP closes a bucket that has reached the cap: >=, not >), so MB
-    (1e6) and MiB (2**20) give the same buckets."""
+    but one exactly on it (DDP closes a bucket that has reached the cap: >=, not >) and one
+    between 10**6 and 2**20 bytes (_mb_gap_case: only there do MB and MiB differ)."""
     cnn = list(_small_cnn().parameters())
     return [
         ("SmallCNN(width=8), cap 0.05 MiB", cnn, 0.05),
@@ -49,6 +49,7 @@ def _bucket_cases() -> list[tuple[str, list, float]]:
         ("4 parameters of exactly 1 MiB, cap 1 MiB", _params_of([2**18] * 4), 1.0),
         ("SmallCNN(width=8), cap 100 MiB", cnn, 100.0),
         ("SmallCNN(width=8) with features.6 frozen, cap 0.01 MiB", _partly_frozen_cnn(), 0.01),
+        _mb_gap_case(),
         # several dtypes: one open bucket per dtype, and a bucket still open at the end of the
         # walk is complete before one closed later (see _MIXED_CASES)
         *[(what, _mixed_params(spec), 1.0) for what, spec in _MIXED_CASES],
@@ -73,6 +74,40 @@ _MIXED_CASES = (
      ((1.5, torch.bfloat16), (0.25, torch.float32), (0.5, torch.bfloat16), (0.75, torch.bfloat16),
       (0.5, torch.float32))),
 )
+
+
+def _mb_gap_case() -> tuple[str, list, float]:
+    """Three float32 parameters whose walk reaches 1,040,000 bytes after two: at least 10**6
+    (1 MB) but below 2**20 (1 MiB), so a cap counted in MB closes the bucket there and DDP's
+    does not (it closes it at 1,140,000 bytes, after the third)."""
+    return ("3 float32 parameters, 1,040,000 bytes after two, cap 1 MiB",
+            _params_of([25_000, 110_000, 150_000]), 1.0)
+
+
+def _mb_cap_problem(got: list, cases: list) -> Problem | None:
+    """The sentence for a cap counted in MB (10**6 bytes) instead of MiB: ``got`` (per case,
+    the learner's buckets as indices of its trainable parameters, or None) is DDP's walk at
+    cap × 10**6 bytes in every case of one dtype, and differs from DDP's at cap × 2**20."""
+    plain = [k for k, (_, ps, _) in enumerate(cases)
+             if all(p.requires_grad for p in ps) and len({p.dtype for p in ps}) == 1]
+    walk = lambda ps, cap: _greedy([p.numel() * p.element_size() for p in ps], cap,
+                                   list(range(len(ps) - 1, -1, -1)))
+    if any(got[k] != walk(cases[k][1], cases[k][2] * 10**6) for k in plain):
+        return None
+    k = next((k for k in plain if got[k] != walk(cases[k][1], cases[k][2] * MiB)), None)
+    if k is None:
+        return None
+    what, ps, cap = cases[k]
+    first = next(b for b, r in zip(got[k], walk(ps, cap * MiB)) if b != r)
+    closed = sum(ps[i].numel() * ps[i].element_size() for i in first)
+    return Problem(f"your cap is 10**6 bytes (MB); DDP's MiB is 2**20 = 1,048,576 bytes ({what}: "
+                   f"your bucket {got[k].index(first)} was closed at {closed:,} bytes, which "
+                   f"reached {cap:g} MB but not {cap:g} MiB, so DDP keeps it open). "
+                   f"bucket_cap_mb counts MiB, as torch's DDP does (a cap of 25 is "
+                   f"25 × 2**20 bytes), and a bucket closed 4.9% early differs from DDP's "
+                   f"wherever a boundary falls in that gap.",
+                   fix=("reconsider the unit of bucket_cap_mb: the contract's first lines say "
+                        "how many bytes one MiB is."))
 
 
 def _mixed_params(spec) -> list:

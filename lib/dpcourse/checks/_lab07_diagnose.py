@@ -206,15 +206,18 @@ def _overlapping_views(s, buckets, names):
     return None
 
 
-def _never_put_in(s, step, when, world_size, buckets, numels) -> None:
-    """p.grad is this rank's own gradient: did that gradient ever reach its bucket? A bucket
-    that went on the wire without it (zeros, or an earlier step's values) means the hook trusted
-    a view set once, which a fresh tensor from autograd (set_to_none=True) is not."""
+def _never_put_in(s, step, when, world_size, buckets, numels, rebound: bool = False) -> None:
+    """p.grad is this rank's own gradient (or, ``rebound``, its bucket's view): did that
+    gradient ever reach its bucket? A bucket that went on the wire without it (zeros, or an
+    earlier step's values) means the hook trusted a view set once, which a fresh tensor from
+    autograd (set_to_none=True) is not — or pointed p.grad back at the view and dropped the
+    fresh tensor."""
     __tracebackhide__ = True
     order = _bucket_of_call(s["calls"], buckets, numels)
     for k, b in enumerate(buckets):
         sent = s["calls"][order.index(k)].get("sent") if k in order else None
-        if sent is None:
+        if sent is None or (rebound and any(s["views"][i][0] != s["calls"][order.index(k)]
+                                            ["storage"] for i in b)):
             continue
         own = torch.cat([s["own"][i].reshape(-1) for i in b]).sort().values
         carried = sent.reshape(-1).sort().values
@@ -226,6 +229,14 @@ def _never_put_in(s, step, when, world_size, buckets, numels) -> None:
                  f"hook a fresh tensor, outside the bucket, so a view made p.grad once (in "
                  f"__init__, or in an earlier step) is not where this gradient is."
                  if _ZERO_GRAD[step] else "")
+        if rebound:
+            fail(f"p.grad is its bucket's view after finish_gradient_synchronization() {when}, "
+                 f"but bucket {k} went on the wire holding {held}, not this backward's "
+                 f"gradients: your hook pointed p.grad at the view without putting the gradient "
+                 f"it was handed into it, so that gradient was dropped.{fresh}",
+                 fix=("reconsider what autograd hands the hook after each kind of zero_grad, "
+                      "and what becomes of it when p.grad is pointed elsewhere (lesson 07 §3, "
+                      "gradients as views; part 2's hint 2)."))
         fail(f"p.grad holds this rank's own gradient after finish_gradient_synchronization() "
              f"{when}, and bucket {k} went on the wire holding {held}, not this backward's "
              f"gradients: your hook never put the gradient it was handed into the bucket.{fresh}",
@@ -302,6 +313,7 @@ def _diagnose_values(s, prev, step, when, world_size, buckets, names, numels) ->
              f"the bucket's view (autograd's fresh gradient was copied in but p.grad never "
              f"pointed at the view).", fix=("reconsider which tensor the optimizer reads: is "
                                             "p.grad the buffer that was averaged?"))
+    _never_put_in(s, step, when, world_size, buckets, numels, rebound=True)
     wrong = [i for i, (a, m) in enumerate(zip(after, mean)) if not _close(a, m)]
     for i in wrong:
         others = [j for j in range(len(names)) if j != i and numels[j] == numels[i]

@@ -1,19 +1,21 @@
 """Checks for lab07: ``assign_buckets(params, bucket_cap_mb)`` and the learner's bucketed,
 hook-driven data-parallel wrapper (a class with ``finish_gradient_synchronization()``).
 
-``check_assign_buckets`` runs in this process on ten sets of parameters (SmallCNN at two caps,
-parameters larger than the cap, float64 parameters, parameters exactly the size of the cap, a
-cap that holds the whole model, a frozen layer, three models of several dtypes). It asks for
-DDP's rule — add the parameter to the open bucket of its dtype, close the bucket once it has
-reached the cap — with the buckets in the order they complete, and names: forward order, a
+``check_assign_buckets`` runs in this process on eleven sets of parameters (SmallCNN at two
+caps, parameters larger than the cap, float64 parameters, parameters exactly the size of the
+cap, a cap that holds the whole model, a frozen layer, a bucket boundary between 1 MB and
+1 MiB, three models of several dtypes). It asks for DDP's rule — add the parameter to the
+open bucket of its dtype, close the bucket once it has reached the cap — with the buckets
+in the order they complete, and names: forward order, a
 bucket closed before the next parameter would exceed the cap (the other usual rule, not
 DDP's), a bucket left open when it lands exactly on the cap (closed only once over it), a
 bucket per parameter, everything in one bucket, elements counted instead of bytes, 4
-bytes assumed per element, parameters lost or repeated, frozen parameters bucketed or weighed,
-two dtypes in one bucket, a bucket closed when the dtype changes, one byte count for all
-dtypes, the buckets in the order they were opened, the still-open buckets put last (torch's
-own list when DDP rebuilds; the order they complete is the lab's rule) or the dtypes one after
-the other (judged over the three mixed cases at once).
+bytes assumed per element, a cap counted in MB (10**6 bytes) instead of MiB, parameters lost
+or repeated, frozen parameters bucketed or weighed, two dtypes in one bucket, a bucket closed
+when the dtype changes, one byte count for all dtypes, the buckets in the order they were
+opened, the still-open buckets put last (torch's own list when DDP rebuilds; the order they
+complete is the lab's rule) or the dtypes one after the other (judged over the three mixed
+cases at once).
 ``check_bucket_prediction`` compares the learner's predicted bucket count for part 1's puzzle
 with torch's own reducer function, run on it.
 
@@ -33,7 +35,8 @@ zero_grad(set_to_none=False) makes true for all), a bucket launched later than i
 been (every one only at the end of the backward, or after the backward), waiting inside the
 hook, not waiting, no reset between steps, old handles waited on again, values read before
 wait(), an all-reduce of a temporary, gradients that are not views of their bucket (or whose
-fresh gradient never reached the bucket: a view made p.grad once and trusted), views that
+fresh gradient never reached the bucket: a view made p.grad once and trusted, or p.grad
+pointed back at the view and the fresh tensor dropped), views that
 overlap or point into another bucket, add_ where copy_ belongs (three ways), a missing or
 fixed division; a value wrong in no known way gets the launch and arrival times of its bucket.
 Then a parameter the second step leaves out (in the first bucket, then in the last): no error,
@@ -73,7 +76,7 @@ from ._lab07_bench import CONFIGS, DEFAULT_TIMEOUT
 from ._lab07_bucketed import check_bucketed_ddp
 from ._lab07_buckets import (_DDP_CLOSING_FIX, _LIBRARY_ASSIGNMENT, _OTHER_RULES,
                              _TORCH_ASSIGNMENT, MiB, _bucket_cases, _calls_torch_assignment,
-                             _frozen_problem, _greedy, _is_library_assignment,
+                             _frozen_problem, _greedy, _is_library_assignment, _mb_cap_problem,
                              _no_library_assignment, _no_torch_assignment, bucket_problem,
                              mixed_problem, order_rule_of)
 from ._lab07_puzzle import (BUCKET_QUESTION, PUZZLE, PUZZLE_CAP_MB, _puzzle_params,
@@ -97,7 +100,7 @@ __all__ = ["check_assign_buckets", "show_bucket_puzzle", "check_bucket_predictio
 
 @recorded
 def check_assign_buckets(assign_buckets) -> None:
-    """Run ``assign_buckets(params, bucket_cap_mb)`` on ten sets of parameters and caps."""
+    """Run ``assign_buckets(params, bucket_cap_mb)`` on eleven sets of parameters and caps."""
     __tracebackhide__ = True
     require_answer(assign_buckets, "assign_buckets")
     if _is_library_assignment(assign_buckets):
@@ -150,6 +153,9 @@ def check_assign_buckets(assign_buckets) -> None:
     plain = [k for k, (_, ps, _) in enumerate(cases)
              if all(p.requires_grad for p in ps) and len({p.dtype for p in ps}) == 1]
     if problems and all(got[k] is not None for k in plain):
+        mb = _mb_cap_problem(got, cases)
+        if mb:
+            fail(mb, fix=mb.fix)
         # Sizes measured in the wrong unit give buckets that are right for that unit in
         # every case: name the unit rather than the first over-full bucket.
         for variant, size_of in (("counted elements (p.numel()) as bytes", lambda p: p.numel()),
