@@ -181,7 +181,7 @@ claim("in bytes, sent against sent, the server's / a ring rank's == N²/(2(N−1
       and max(gaps.values()) < 2, gaps=gaps)
 times = {n: ring.cost("parameter-server", n, 4 * K, 0, 1).seconds   # lesson 06's prices,
          / ring.cost("ring", n, 4 * K, 0, 1).seconds for n in ps}   # alpha 0: bandwidth only
-claim(f"in time, by ring.cost, the bandwidth term (α = 0; the model one message: in, then out): the "
+claim(f"in time, by ring.cost, the bandwidth term (α = 0; the model one message: out, then in): the "
       f"server's 2NKβ / a ring rank's 2(N−1)K/N·β == N²/(N−1), twice the byte ratio, per N: {times}",
       all(math.isclose(v, n * n / (n - 1)) and abs(v / ratios[n] - 2) < 2e-3
           for n, v in times.items()))
@@ -822,7 +822,7 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # - A parameter server pulls and pushes over point-to-point messages; synchronous, it is DDP
 #   (equal weights, to 1e-6, here) but it moves 2NK per step through one node (NK sent, NK
 #   received): N²/(2(N−1)) times a ring rank's bytes, and in lesson 06's α-β model N²/(N−1)
-#   times its bandwidth term (α = 0) when the model is one message (in, then out, as here);
+#   times its bandwidth term (α = 0) when the model is one message (out, then in, as here);
 #   a key-value server, key by key, overlaps the two, towards the byte ratio.
 # - Asynchronous, its workers stop waiting for the straggler (timed: more gradients in the
 #   same second; the round trip to the server remains, its share printed in §1), and its
