@@ -219,7 +219,7 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # 2Kβ); its latency term grows with N without bound. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
 # its bandwidth term is K·log N (the figure's "binomial tree (unpipelined)": its message is not
-# *pipelined*, cut into segments that travel one behind another, §4 — the textbook worst case;
+# *pipelined*, cut into segments that travel one behind another, §4 — the textbook's slowest variant;
 # NCCL's tree pipelines, folded below). So, in the
 # model, among the five: a ring for big gradients; for small messages a tree, if no extra
 # machine is allowed (the server, next, can be cheaper still); Rabenseifner's at least as cheap

@@ -436,7 +436,8 @@ viz.show(viz.reducer_figure(),
 #   end of section 6). Without views (the default), the reducer
 #   copies each gradient in, and the average back after the wait.
 #
-# Lab 07's part 2 asks you to keep both promises; how the reducer keeps them comes after section 6.
+# Lab 07's part 2 asks your wrapper for both (strict order, gradients as views); how the
+# reducer does them comes after section 6.
 
 # %% [markdown]
 # ## 4. Measuring the overlap on a CPU — and predicting it

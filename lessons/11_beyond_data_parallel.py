@@ -196,7 +196,7 @@ claim("autograd also references whole weights, not shards — three of the four 
 # %% [markdown]
 # <details><summary>▶ Which three, and why — open after lab 11's part 6 passes</summary>
 #
-# The three are every layer's but the first. A `Linear` saves its weight for the gradient of
+# The three are the weights of every layer but the first. A `Linear` saves its weight for the gradient of
 # its input only, and the first layer's input, the data, needs no gradient. The folded cell
 # below checks it.
 #
