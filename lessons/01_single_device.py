@@ -122,7 +122,7 @@ claim("after backward every parameter has a gradient",
 # %% [markdown]
 # **▶ `models.SmallCNN`**, the model this lesson trains: three convolutions (padding 1, so each
 # keeps its input's height and width until the pooling after it), then two linear layers, with
-# a dropout between them (click the folded cell below).
+# a dropout layer between them, off here (p = 0): click the folded cell below.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(models.SmallCNN, folded="▶ code: models.SmallCNN")
@@ -627,6 +627,12 @@ for amp, name in ((False, "float32"), (True, "AMP    ")):
           "(runs: " + ", ".join(f"{r:.0f}" for r in amp_runs[amp]) + ")")
 print(f"On this {device.type}, one intra-op thread, this run: "
       + train.compare_rates("float32", amp_runs[False], "AMP", amp_runs[True]))
+amp_verdict = train.rate_verdict(amp_runs[False], amp_runs[True])[0]  # compare_rates' rule
+print({"faster": "So on this machine AMP won even on this tiny model",
+       "slower": "So on this machine AMP lost on this tiny model",
+       "unclear": "So on this machine AMP made no clear difference on this tiny model"}[amp_verdict]
+      + "; this lesson does not isolate why" + (" (fast bfloat16 matrix kernels on this CPU are "
+      "a hypothesis only)." if amp_verdict == "faster" and device.type == "cpu" else "."))
 
 # %% [markdown]
 # **Beyond this CPU.** To measure the whole ladder on your device — naive float32, TF32,

@@ -27,7 +27,8 @@
 # In this lesson we build it from scratch in `dpcourse.dp`, in four moves, and prove that it
 # computes what the plain model computes on the whole batch — the same outputs and gradients
 # to within 1e-5 (not bit for bit: the chunks' sums are added in another order) — as long as
-# no layer couples the samples of a batch (training-mode BatchNorm does: section 2 shows it):
+# no layer couples the samples of a batch (training-mode BatchNorm does: section 2 shows it)
+# or draws random numbers (dropout with p > 0: each replica draws its own mask):
 #
 # 1. **scatter** the batch along dim 0 into contiguous chunks, at most one per device;
 # 2. **replicate** the model onto every device (every step!);
@@ -82,8 +83,7 @@ print(f"{n_devices} devices, batch {batch}, model with K = {K} parameters")
 # The batch is cut along dim 0 into contiguous chunks, at most one per device, never an empty
 # one. Contiguous matters: gathering the outputs in device order must put the rows back in the
 # order of `y`. Writing `scatter` is part of lab 02 (with a choice of the chunks' sizes that
-# this lesson leaves to you), so the library's code for it waits, folded, below the lab's
-# pointer at the end of this lesson; here we check what it returns:
+# this lesson leaves to you), so its code is folded at the end; here we check what it returns:
 
 # %%
 chunks = dp.scatter(X, devs)
@@ -162,11 +162,10 @@ claim("none of its buffers is among its parameters",
       not {id(b) for b in bn_probe.buffers()} & {id(q) for q in bn_probe.parameters()})
 
 # %% [markdown]
-# What a replica's forward does to the module's *buffers*, and what of it reaches the module,
-# is lab 02's part 5, so how replica 0 is built waits, folded, after the lab pointer, and torch's
-# rule with the sources at the end. One consequence is shown here, the one that matters most for training:
-# BatchNorm's *running* mean and variance (buffers, updated by every training-mode forward) are
-# **not the whole batch's** after a DataParallel forward. A small BatchNorm model shows it:
+# One consequence of what a replica's forward does to the module's *buffers* matters most for
+# training: BatchNorm's *running* mean and variance (buffers, updated by every training-mode
+# forward) are **not the whole batch's** after a DataParallel forward. A small BatchNorm model
+# shows it:
 
 # %%
 bn_net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
@@ -184,9 +183,10 @@ claim("after one DataParallel forward, the module's BatchNorm running mean diffe
 # The same layer breaks "DataParallel computes what the plain model computes". In training mode
 # BatchNorm normalises each sample with the mean and variance of the batch it sees — here, of
 # its replica's chunk, not of the whole batch — so the outputs themselves differ. The equality
-# proven below holds only for models whose layers treat every sample on its own (SmallCNN has no
-# BatchNorm; DDP in lesson 03 — one process per device, each called a *rank* — has the same
-# caveat, and treats the buffers its own way, which lesson 03 measures):
+# proven below holds only for models whose layers treat every sample on its own and draw no
+# random numbers (SmallCNN has no BatchNorm, and its `nn.Dropout` has p = 0 here, its default;
+# DDP in lesson 03 — one process per device, each called a *rank* — has the same caveat, and
+# treats the buffers its own way, which lesson 03 measures):
 
 # %%
 twin_dp, twin_plain = copy.deepcopy(bn_net), copy.deepcopy(bn_net)
@@ -194,14 +194,15 @@ out_gap = (dp.data_parallel(twin_dp, X, devs) - twin_plain(X)).abs().max().item(
 print(f"largest output difference, DataParallel vs plain, training-mode BatchNorm: {out_gap:.3f}")
 claim("with training-mode BatchNorm the DataParallel output differs from the plain model's on "
       "the whole batch by more than 1e-3 (per-chunk statistics)", out_gap > 1e-3, out_gap=out_gap)
+claim("SmallCNN's dropout has p = 0 here (its default): it draws no mask",
+      all(m.p == 0 for m in model.modules() if isinstance(m, nn.Dropout)))
 
 # %% [markdown]
 # ## 3. Parallel apply — threads
 # One thread per replica, as in the real one (`torch/nn/parallel/parallel_apply.py`: with two
 # or more replicas; a single one runs in the caller's thread), each running its replica on its
 # chunk, and the outputs handed back in device order. Writing this
-# function is lab 02's stretch, so what a thread must take care of besides the call, and the
-# code, wait folded below the lab's pointer; here we check what it returns:
+# function is the lab's stretch, so it is folded at the end; here we check what it returns:
 
 # %%
 outputs = dp.parallel_apply(replicas, chunks)
@@ -211,8 +212,8 @@ claim("every replica's output is part of the autograd graph",
 
 # %% [markdown]
 # ## 4. Gather, loss, backward — and the proof
-# `gather` concatenates the outputs along dim 0 on device 0 (lab 02 asks for it too, so it is
-# folded below the lab's pointer). Then: the mean loss over the whole batch, and backward.
+# `gather` concatenates the outputs along dim 0 on device 0 (folded at the end: the lab asks
+# for it). Then: the mean loss over the whole batch, and backward.
 # Compare with the plain model on the whole batch: the same outputs and gradients, to within
 # 1e-5. Here is the whole step in one function, the four moves in order:
 
@@ -247,7 +248,7 @@ claim("every parameter of the original model received a gradient",
 # time, drawn from this run's chunk sizes and parameter count. Two words in it name how
 # tensors move between devices: a **broadcast** copies one device's tensor to every device, and
 # a **reduce** brings a tensor from every device onto one device, combining them there with one
-# operation into a single tensor (which operation the gradients need is lab 02's to work out).
+# operation into a single tensor.
 # The real class moves the weights and the gradients with collectives — operations that all the
 # devices join at once, such as one broadcast — when NCCL, NVIDIA's library of collectives for
 # its GPUs, is there ("Why it is slow" below); it copies the input's chunks and the outputs
@@ -488,9 +489,8 @@ claim("three steps replicated the model three times", tc.replicate_calls == 3)
 # cross PCIe or NVLink; here they are memory copies plus building N module objects in Python.
 # That second part is *our* `replicate`'s: it deep-copies the module tree (`copy.deepcopy`).
 # Torch's builds each replica module with `Module._replicate_for_data_parallel`: a shallow copy
-# of the module's `__dict__` in which some of the module's own dicts are replaced (which ones,
-# and what that means for a forward that writes a buffer, is lab 02's part 5: folded at the
-# end). No tensor is copied there, so its Python part is cheaper than ours. So torch's own
+# of the module's `__dict__` in which some of the module's own dicts are replaced. No tensor
+# is copied there, so its Python part is cheaper than ours. So torch's own
 # `replicate` is timed too, called as a training step calls it (`detach=False`: its
 # differentiable `Broadcast`, Sources); on the CPU that GPU-only broadcast is replaced, for
 # the timing, by ours, one clone of the weights per extra device. All three run with grad mode
@@ -774,19 +774,18 @@ with viz.folded_output("▶ What it measured — open after your lab passes"):
 # - `nn.DataParallel` = scatter the batch, replicate the model, run the replicas in threads,
 #   gather the outputs on device 0, and let the backward bring the replicas' gradients there.
 # - The replicas' gradients meet on the original parameters through the backward of the
-#   broadcast; how they combine, and how plain copies' gradients must be combined, is lab 02's
-#   question (its answer is folded above, after the lab's pointer).
+#   broadcast.
 # - Without GPUs the real `nn.DataParallel` silently just calls the module.
 # - After a training-mode forward the module's BatchNorm running statistics are not the whole
-#   batch's (section 2's claim); why, and what a replica's forward does to the module's
-#   buffers, is lab 02's part 5 (its answer is folded after the lab's pointer).
+#   batch's (section 2's claim). How the gradients combine, and why the statistics differ, are
+#   lab 02's questions (answers folded after its pointer).
 # - Its costs: a replication every step, threads sharing one GIL (default CPython build; a
 #   cost read from its design, measured only on a quiet machine), device 0 doing the loss alone,
 #   and, when the copies go one by one (a naive parameter server, as in our `dp`), 2(N−1)K
 #   weights and gradients through device 0 every step, the batch's chunks and outputs on top;
 #   the real class broadcasts and reduces with NCCL when it can.
 # - DataParallel computes what the plain model computes only when no layer couples the samples
-#   of a batch: training-mode BatchNorm sees each replica's chunk alone.
+#   of a batch (training-mode BatchNorm sees each replica's chunk alone) or draws random numbers.
 #
 # Next: open `03_ddp_first_principles.ipynb`, where each device gets a process of its own.
 #
@@ -816,7 +815,7 @@ viz.quiz(quizzes.questions("02"))
 #   fewer chunks), `self.parallel_apply` (the method `real_data_parallel` counts), `gather` on
 #   `output_device` (`device_ids[0]` by default, lines 157-158; the parameters must be on
 #   `src_device_obj`, `device_ids[0]`: lines 164, 178-183). (What
-#   the class docstring says of replica 0's buffers is lab 02's part 5: folded at the end.)
+#   the class docstring says of replica 0's buffers: folded at the end.)
 # - `torch/_utils.py` — `_get_available_device_type` (lines 819-833): `"cuda"` if
 #   `torch.cuda.is_available()`, else `"mps"`, else `"xpu"`, `"mtia"` or the PrivateUse1
 #   backend's name when available, else `None`.
@@ -841,8 +840,8 @@ viz.quiz(quizzes.questions("02"))
 # - `torch/nn/parallel/_functions.py` — `Broadcast.forward` refuses CPU tensors (lines 13-14:
 #   "Broadcast function not implemented for CPU tensors": why the course runs its own
 #   `dp.Broadcast` on CPU devices) and calls `comm.broadcast_coalesced`;
-#   `Scatter.forward` calls `comm.scatter`. (What `Broadcast.backward` calls is lab 02's
-#   answer: it is folded at the end.)
+#   `Scatter.forward` calls `comm.scatter`. (What `Broadcast.backward` calls: folded at the
+#   end.)
 # - `torch/nn/parallel/comm.py` — `broadcast_coalesced` (`buffer_size=10485760`, done in C++ by
 #   `torch._C._broadcast_coalesced`; its `_get_device_index` refuses a CPU device, "Expected a
 #   non cpu device": why `dp_costs.time_replicate_vs_forward` stands clones in for it, and our
@@ -855,9 +854,12 @@ viz.quiz(quizzes.questions("02"))
 # - `torch/nn/parallel/parallel_apply.py` — `parallel_apply`: when `len(modules) > 1`, one
 #   `threading.Thread` per replica (target `_worker`), all started, then all joined; with a
 #   single replica `_worker` runs in the caller's thread. What each `_worker` sets up besides
-#   the call is lab 02's stretch: the lines that say so are folded at the end.
+#   the call: folded at the end.
 # - `torch/cuda/nccl.py` — `is_available`: whether NCCL can take the tensors (the folded
 #   sources name the collective the backward then runs).
+# - `torch/nn/modules/dropout.py` — `Dropout.forward` calls `F.dropout(input, self.p,
+#   self.training, ...)` (`torch/nn/functional.py`, `dropout`: `_VF.dropout`), which draws a
+#   fresh random mask on every training-mode call: each replica draws its own.
 # - `torch/nn/modules/batchnorm.py` — `_BatchNorm.forward`: in training mode the running mean
 #   and variance (buffers) are updated in place and `num_batches_tracked` is incremented.
 # - `torch/include/torch/csrc/autograd/engine.h` — `Engine::start_device_threads` ("start

@@ -121,13 +121,11 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # ## The four collectives
 # A **collective** is an operation that *every* rank of the group calls, in the same order as the
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
-# once the result is in the tensor. With nccl, once the group's NCCL *communicator* (the
-# connections between the ranks' GPUs that its collectives run over) exists, it hands the
-# work to the GPU and returns without waiting for it to run (NCCL forms it lazily: the first
-# collective on a GPU tensor blocks while it does, unless `init_process_group` got a
-# `device_id`, which forms it at once; lesson 10 shows where that matters); with the default
-# `async_op=False` torch has the backend order later GPU work after it, with `async_op=True`
-# you get a handle whose `wait()` does that.
+# once the result is in the tensor. With nccl it hands the work to the GPU and returns without
+# waiting for it to run; by default (`async_op=False`) later GPU work still runs after it.
+# NCCL runs a group's collectives over its *communicator*: the connections between the ranks'
+# GPUs. By default it forms it lazily, at the first collective (lesson 10 shows where that
+# matters).
 #
 # | collective | every rank gives | every rank gets |
 # |---|---|---|
@@ -172,15 +170,18 @@ viz.show(viz.collectives_figure(before, after),
 # %% [markdown]
 # ## Averaging gradients — and DDP, which does it for you
 # Each rank computes the gradient of the **mean loss over its own shard**. The gradient of the
-# mean loss over the whole global batch is the *average* of those, when every shard's mean
-# divides by the same count (equal shards; but padded targets skipped by `ignore_index`, or
-# class weights, change what `F.cross_entropy`'s mean divides by, shard by shard: the cell
-# below shows it), each sample's loss depends on that sample alone, and the forward draws no
-# per-rank randomness. (Training-mode BatchNorm breaks the second condition: it normalises each
-# sample with the statistics of the batch it is in, so a rank's shard gives a different
-# gradient than the global batch. The next cell shows it too. Dropout would break the third: each rank draws its
-# own masks from its own random stream, so N ranks do not take one process's step; the course's
-# `SmallCNN` has `dropout=0.0` by default, and every model in this lesson uses that default.)
+# mean loss over the whole global batch is the *average* of those, when:
+#
+# 1. **Equal counts**: every shard's mean divides by the same count. Equal shards are not enough:
+#    padded targets skipped by `ignore_index`, or class weights, change what `F.cross_entropy`'s
+#    mean divides by, shard by shard (the cell below shows it).
+# 2. **Independent samples**: each sample's loss depends on that sample alone. Training-mode
+#    BatchNorm breaks it: it normalises each sample with its batch's statistics, so a rank's
+#    shard gives a different gradient than the global batch (the cell below shows it too).
+# 3. **No per-rank randomness** in the forward. Dropout would break it: each rank draws its
+#    own masks from its own random stream; every model in this lesson keeps `SmallCNN`'s
+#    default `dropout=0.0`.
+#
 # So after `backward()` and before the optimizer step, every rank must replace each of its
 # gradients by their average over all the ranks — the same numbers on every rank. That is the
 # whole idea of data parallelism; which of the collectives above produce that average, and
@@ -483,7 +484,8 @@ else:
 #    07's). When every gradient in a bucket is there, the bucket goes to the wire in one
 #    collective call, in bucket order on every rank (how, lesson 07).
 # 4. **Overlap.** Those calls start *while the backward is still computing* the gradients
-#    of earlier layers, so communication can hide behind computation.
+#    of earlier layers (claimed below), so communication can overlap computation; whether
+#    that saves time is lesson 07's measurement.
 
 # %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
@@ -853,18 +855,17 @@ print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in
 tail = {k: it["backward_end"] - last_grad[k] for k, it in (("0", first), ("2", third))}
 print(f"after the last gradient, backward() waited {tail['0']:.1f} ms for communication in "
       f"iteration 0 and {tail['2']:.1f} ms in iteration 2: "
-      + ("shorter in iteration 2, where most buckets were reduced during the backward."
-         if tail["2"] < tail["0"] else "not shorter in iteration 2 in this run."))
+      + ("shorter in iteration 2, where earlier buckets went out during the backward."
+         if tail["2"] < tail["0"] else "not shorter in iteration 2 in this run: with gloo the "
+         "all-reduce shares the CPU cores with the backward, so overlap need not save time."))
 
 # %% [markdown]
 # Read the cell above in two parts. The time until the last gradient is compute alone, and
 # iteration 0, the run's first backward, can pay one-time costs there (allocating its memory,
 # for one). The time *after* the last gradient is communication the backward could not hide:
 # in iteration 0 the whole model's all-reduce; in iteration 2 only what the last buckets still
-# needed, since the others went out during the backward. Where the cell reports that tail
-# shorter in iteration 2, that is the overlap at work. On a CPU with gloo, though, "on the
-# wire" competes with the backward for the same two cores, so a whole backward need not be
-# shorter for it (timed, so not asserted). The overlap
+# needed, since the others went out during the backward. The cell's last line says whether
+# that shortened the tail in this run (timed, so not asserted). The overlap
 # rests on the bucket's all-reduce being *asynchronous*: torch's `allreduce_hook` (which our
 # hook above calls) runs `dist.all_reduce(..., async_op=True)`, and DDP's internal
 # `_AllReduceBySumCommHook` (its path without a hook) likewise returns a future from its

@@ -91,10 +91,10 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # `train_single.py`, `+` only in `train_ddp.py`), whole but for `evaluate`, which stands as one
 # comment line: it is close to lab 04's question, so its diff is folded after the lab pointer at
 # the end (the claims below check the whole diff). The lines that resume from and save the
-# checkpoint, the same in both scripts, stand as comment lines too, for lab 04's stretch. Every changed line is one data parallelism needs,
-# except a test hook: `--fail-at-step`, `--fail-rank` and the `os.kill(..., SIGKILL)` that uses
-# them play a crash for section 3 and have no place in a real script (the cell after the diff
-# counts them):
+# checkpoint, the same in both scripts, stand as comment lines too, for lab 04's stretch.
+# Every changed line is one data parallelism or its restarts need, except a test hook:
+# `--fail-at-step`, `--fail-rank` and the `os.kill(..., SIGKILL)` that uses them play a crash
+# for section 3 and have no place in a real script (the cell after the diff counts them):
 #
 # - **the identity and the group:** `RANK`, `LOCAL_RANK`, `WORLD_SIZE` from torchrun; `is_main`
 #   (rank 0, which prints and writes files); `dist.init_process_group` with the ranks
@@ -795,14 +795,14 @@ claim("a process group's default timeout: 30 minutes with gloo, " + ("10 with NC
 # *joinable*: inside `with Join([model]):`, a rank that has run out of batches does not leave;
 # it keeps answering the others' all-reduces with zero gradients until every rank is done, and
 # at the end it broadcasts the module's parameters — and its buffers, when
-# `forward_sync_buffers` is on (the default) — from the last rank to finish, so all ranks hold
-# the same model. The module only: the **optimizer state is not
+# `forward_sync_buffers` is on (the default) — from the highest rank among the last to finish,
+# so all ranks hold the same model. The module only: the **optimizer state is not
 # synchronised**. A rank that joined early skipped the last `opt.step()`s, so with momentum (or
 # Adam) its buffers differ from the others', and a second epoch after a `Join` makes the weights
-# drift apart again; checkpoint from the last rank to finish, or re-broadcast the optimizer
+# drift apart again; checkpoint from the broadcasting rank, or re-broadcast the optimizer
 # state. Once a rank has joined, the gradients are still divided by the *initial* world size
-# (`divide_by_initial_world_size=True`, read in the source, *not run here*): the joined rank
-# counts as a zero gradient. What
+# (`divide_by_initial_world_size=True`, *not run here*): the joined rank counts as a zero
+# gradient. What
 # `Join` costs: in every iteration inside it, each rank still training runs extra all-reduces
 # from Python beside DDP's own — one that tells the `Join` context who is still training and
 # one that agrees whether this backward syncs gradients (counted below) and, for a module with
@@ -1823,7 +1823,10 @@ viz.quiz(quizzes.questions("04"))
 #   authoritative copy; under `Join`, `_find_common_rank` picks it), `no_sync`
 #   (`require_backward_grad_sync`), `join` and `_DDPJoinHook` (zero all-reduces for joined
 #   ranks, `divide_by_initial_world_size`), `_sync_final_model` (broadcasts `self.module` only:
-#   its buffers only with `broadcast_buffers=self.forward_sync_buffers`), `register_comm_hook`.
+#   its buffers only with `broadcast_buffers=self.forward_sync_buffers`; from
+#   `_find_common_rank(rank, is_last_joiner)`, an all-reduce MAX of the rank, -1 for the
+#   others: the highest of the last joiners, `is_last_joiner` from `Join.__exit__`),
+#   `register_comm_hook`.
 #   `join_hook` passes `divide_by_initial_world_size` (default `True`) to `_DDPJoinHook`
 #   (section 5).
 # - `torch/distributed/algorithms/join.py` — `Join`, `Join.notify_join_context` (the

@@ -770,10 +770,9 @@ viz.show_code(mirrored.count_cross_device_calls)
 # traces the step, `make_train_step` builds the optimizer's per-variable state (momentum, Adam's
 # moments) under the strategy, so that those variables are created once, mirrored, before the
 # trace, rather than lazily during the first call of the traced function. Plain SGD, which this
-# lesson and lab 05 use, keeps no such state: for it the build creates no variable. The build
-# does not touch the step counter, which the optimizer's constructor made
-# (`BaseOptimizer.__init__`): how the optimizer itself must be made is lab 05 part 2's question
-# (this lesson's: `optimizer_in`, folded above with a claim).
+# lesson and lab 05 use, keeps no such state: for it the build creates no variable. How the
+# optimizer must be made is lab 05 part 2's question (this lesson's: `optimizer_in`, folded
+# above with a claim).
 
 # %%
 viz.show_code(mirrored.make_train_step, mirrored.train_steps)
@@ -880,8 +879,9 @@ claim("fit under MirroredStrategy ends with one device's weights (to 1e-5)", sam
 # ## 6. Mixed precision
 #
 # A Keras dtype policy makes layers compute in 16 bits while their variables stay float32:
-# `mixed_bfloat16` or `mixed_float16` — Keras ties neither to a device; `mixed_float16` is for
-# GPUs without bfloat16 arithmetic (before NVIDIA's Ampere). float16 gradients underflow
+# `mixed_bfloat16` or `mixed_float16` — Keras ties neither to a device; `mixed_float16` is the
+# usual GPU policy (this lesson takes it on every GPU), `mixed_bfloat16` needs bfloat16
+# arithmetic (NVIDIA's Ampere and later, CPUs). float16 gradients underflow
 # (small values round to zero) without *loss scaling* — multiply the loss by a large factor,
 # divide the gradients by it — and bfloat16, with float32's range, needs none. It is
 # `model.compile`, not `fit`, that adds the scaling: when the **model's** policy is
@@ -1298,7 +1298,6 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/python/distribute/collective_util.py` — `CommunicationImplementation`: `RING`, `NCCL`, `AUTO`.
 # - `tensorflow/python/distribute/cross_device_ops.py` — `CollectiveAllReduce._all_reduce`: the dense gradients go through `cross_device_utils.group_by_size(dense_values, options.bytes_per_pack)` and then `CollectiveReplicaLauncher.batch_all_reduce` (`tensorflow/python/distribute/cross_device_utils.py`), which in a `tf.function` concatenates each pack into one all-reduce (eagerly: one per tensor); `group_by_size`: `bytes_per_pack == 0` gives a single pack; `tensorflow/python/distribute/collective_util.py` — `Options.__init__`: `bytes_per_pack=0` by default (MirroredStrategy's options set only `implementation`: `MirroredExtended._make_collective_ops_with_fallbacks`).
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`.
-# - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__` creates the `iteration` step counter; `BaseOptimizer.build` does not.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given (what it does without it: Sources that answer lab 05).
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
 # - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling; `scale_loss_for_distribution` reads the factor from `tf.distribute.get_strategy().num_replicas_in_sync`, so it applies wherever that returns the strategy, host code under `strategy.scope()` included.

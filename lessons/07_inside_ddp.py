@@ -34,9 +34,9 @@
 #    message pays a fixed start-up cost (lesson 06's α).
 #
 # All three live in `dpcourse.overlap`, the runs that test them in
-# `dpcourse.overlap_experiments`; every cell below shows the code it runs, or names the lesson
-# that showed it, except `dpcourse.viz`'s figure builders and two small helpers of section
-# 5's recorder, named there.
+# `dpcourse.overlap_experiments`; every cell below shows the code it runs, in view or folded
+# under a ▶ label, or names the lesson that showed it, except `dpcourse.viz`'s figure builders
+# and two small helpers of section 5's recorder, named there.
 
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
@@ -758,7 +758,7 @@ predicted = {"calibration": predicted_saving(wire_backward),
              "rounds": predicted_saving(run["control"]["backward"])}
 
 # %% [markdown]
-# **▶ The printout's code** (click the folded cell below; its printout stays in view): the
+# **▶ The printout's code** (its printout stays in view): the
 # predictions beside the measured saving, the bound, the backward's paired difference.
 
 # %% jupyter={"source_hidden": true}
@@ -975,7 +975,7 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 # axis: the run's last step on rank 0 (overlapped, and its control), and `predict_step`'s own
 # `spans` — when the model starts and ends each bucket's all-reduce — for the same two cases.
 #
-# **▶ How the figure is drawn** (the figure is below it).
+# **▶ How the figure is drawn**.
 
 # %% jupyter={"source_hidden": true}
 rows = []

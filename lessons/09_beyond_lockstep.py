@@ -83,14 +83,14 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers.
 # A production server would use `torch.distributed.rpc` (remote calls between processes), or
-# another framework's own, such as TensorFlow's `ParameterServerStrategy` (each task runs a
-# `tf.distribute.Server`; a coordinator's `ClusterCoordinator` dispatches): asynchronous by
-# default, variables round-robin over the servers, a large one sharded by a
-# `variable_partitioner`, a preempted worker's function requeued. We use
-# `dist.send` / `dist.recv`: each message is one flat tensor between two ranks, and a thin
-# wrapper counts every byte sent; rpc's futures and serialisation would hide it. The
-# asynchronous server receives from whichever worker is done first (`recv` with no source),
-# which NCCL lists as unsupported: so these launches use gloo, GPUs or not.
+# another framework's own, such as TensorFlow's `ParameterServerStrategy` (each worker and
+# parameter server runs a `tf.distribute.Server`, a server task only `join()`s; a coordinator
+# dispatches `tf.function`s to the workers, which update the variables on the servers):
+# asynchronous by default, variables round-robin over the servers, a large one sharded, a
+# preempted worker's function requeued. We use `dist.send` / `dist.recv`: one flat tensor per
+# message, and a wrapper counts every byte; rpc would hide it. The asynchronous server
+# receives from whichever worker is done first (`recv` with no source), which torch's NCCL
+# backend lists as unsupported (NCCL's `ncclRecv` names its peer): so these launches use gloo.
 
 # %%
 viz.show_code(parameter_server.CountingLink, parameter_server.ps_sync_server, parameter_server.ps_sync_worker)
@@ -287,8 +287,11 @@ rounds = sum(k == "compute" for k, _, _ in race[2]["sync"]["spans"])  # a round 
 typical_mean = statistics.mean([x for x in wait_ms if x <= 10 * wait_med])  # the stalls left out
 gap = wait_mean - wait_med
 updates = {"sync": applied["sync"] // (len(race) - 1), "async": applied["async"]}  # sync: a step a round
-with viz.folded_output("▶ more of this run: staleness, the waits' spread, where the gain comes "
-                       "from, the losses"):
+print(f"Where the gain comes from: asynchronous applied the fast worker's {n_fast} gradients and "
+      f"the straggler's {n_slow}; synchronous 2 per round for {rounds} rounds, each waiting for the "
+      f"straggler: about (n_fast/n_slow + 1)/2 = {(n_fast / n_slow + 1) / 2:.2f}×")
+with viz.folded_output("▶ more of this run: staleness, the waits' spread, the gain's accounting, "
+                       "the losses"):
     stale = race[0]["async"]["staleness"]
     print(f"async staleness: mean {sum(stale) / len(stale):.1f}, largest {max(stale)}")
     print(f"the fast worker's waits: {wait_mean:.1f} ms on average, {max(wait_ms):.0f} ms at "
@@ -344,8 +347,8 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
       applied["async"] >= 1.3 * applied["sync"], applied=applied)
 
 # %% [markdown]
-# How many more is set by how much slower the straggler is (folded above: "where the gain
-# comes from"): one twice as slow would give about (2 + 1)/2 = 1.5×.
+# How many more is set by how much slower the straggler is (printed above: about
+# (n_fast/n_slow + 1)/2): one twice as slow would give about (2 + 1)/2 = 1.5×.
 #
 # More gradients per second, but not free ones: the straggler's gradients arrive many updates
 # stale (the largest staleness above). The losses above compare more gradients *and* more
@@ -353,8 +356,7 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # at a larger step, staleness can make training
 # diverge — the question the rest of this section answers. The fast worker's
 # typical wait (the median, printed above) is an upper bound on the round trip itself (2K
-# numbers through gloo and the server's step); the mean and the rare long waits: folded
-# above. The spans record when the worker
+# numbers through gloo and the server's step). The spans record when the worker
 # waited, not why: the run cannot tell a descheduled server from a descheduled worker or
 # another program.
 #
@@ -867,7 +869,9 @@ viz.quiz(quizzes.questions("09"))
 #   sender's rank (the asynchronous server relies on it): `recv` calls `irecv`, which with
 #   `src=None` calls the group's `recv_anysource`;
 #   `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` lists `recvAnysource` under
-#   "Unsupported Ops" (so the servers run on gloo); `Backend.backend_capability`: nccl
+#   "Unsupported Ops" (so the servers run on gloo), while NCCL's own
+#   `nvidia/nccl/include/nccl.h` (the wheel torch depends on) declares `ncclRecv(..., int peer,
+#   ...)`: "Receive data from rank peer"; `Backend.backend_capability`: nccl
 #   serves `"cuda"` tensors only, gloo `"cpu"` and `"cuda"` (so §3's CPU ranks use gloo too);
 #   `new_group`: by default every rank
 #   must call it, members or not (with `use_local_synchronization=True` only the members do,
@@ -910,7 +914,10 @@ viz.quiz(quizzes.questions("09"))
 #   `ParameterServerStrategyV2`: "By default, workers read and update these variables
 #   independently without synchronizing with each other" (asynchronous training), "Each
 #   worker and parameter server runs a `tf.distribute.Server`" with a coordinator (not torch's
-#   rpc), the "placed on parameter servers in a round-robin manner" ("Default placement is
+#   rpc), and a "worker" or "ps" task's example code ends in `server.join()`, "waiting for
+#   coordinator's requests"; a worker executes the dispatched `tf.function` "by reading the
+#   variables from parameter servers, executing the ops, and updating the variables on the
+#   parameter servers"; the "placed on parameter servers in a round-robin manner" ("Default placement is
 #   round-robin"), and the `variable_partitioner` argument that additionally shards one
 #   variable across the parameter servers;
 #   `tensorflow/python/distribute/coordinator/cluster_coordinator.py` — `ClusterCoordinator`

@@ -575,8 +575,8 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 # rank, compared across ranks with no tolerance: replicas kept in sync are bit-identical (lesson
 # 03), so their checksums agree to the last bit when every rank sums the same way (with one
 # exception, folded after the lab pointer). Weighted by position, so
-# two tensors with the same sum but values in other places still differ. It is summed on the
-# tensor's own device, a chunk of elements at a time, so a GPU model needs no copy to the CPU.
+# equal sums with values in other places still differ. It is summed on the tensor's own device
+# (CPU for MPS, which lacks float64), a chunk at a time, so a GPU model needs no CPU copy.
 # Lab 10's stretch asks you for a detector of your own, `replicas_in_sync(model)`.
 
 # %%
@@ -704,8 +704,8 @@ viz.show(viz.replica_checksums_figure({
 # **The real fix, `nn.SyncBatchNorm`**, computes the statistics over the global batch: it
 # gathers every rank's mean, inverse std and count, normalizes with the global statistics, and
 # updates the running ones from them (`torch.batch_norm_gather_stats_with_counts` in
-# `SyncBatchNorm.forward`). When it syncs (in training mode, with an initialised process
-# group) it accepts only CUDA, HPU, XPU or a PrivateUse1 device and raises for CPU input.
+# `SyncBatchNorm.forward`). In training mode inside an initialised process group (even of one
+# rank) it accepts only CUDA, HPU, XPU or a PrivateUse1 device and raises for CPU input.
 #
 # **How `running_var` moves:** by `momentum` (0.1 by default; 1 in the comparison below, which
 # makes it the batch's) toward each batch's *unbiased* variance.
@@ -1366,9 +1366,9 @@ viz.quiz(quizzes.questions("10"))
 #   its biased variance, but `running_var` is updated with the unbiased one
 #   (`torch.var(input, correction=1)`), as a moving average: `(1 − momentum) × x̂ + momentum ×
 #   x_t`, `momentum` 0.1 by default; `_NormBase.reset_running_stats` starts `running_var` at 1.
-# - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: it syncs only in training mode
-#   with an initialised process group (`need_sync`), and then raises unless the input is on
-#   CUDA, HPU, XPU or the PrivateUse1 backend.
+# - `torch/nn/modules/batchnorm.py` — `SyncBatchNorm.forward`: in training mode with an
+#   initialised process group it raises unless the input is on CUDA, HPU, XPU or the
+#   PrivateUse1 backend, before it sets `need_sync = world_size > 1`.
 # - `torch/distributed/distributed_c10d.py` — `all_reduce` (lines 3812-3915): with
 #   `async_op=True` it returns the `Work` as soon as the backend has it (`if async_op: return
 #   work`), otherwise it calls `work.wait()`; so a blocking gloo call returns only when the

@@ -836,7 +836,8 @@ viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
               pipeline_parallel.run_pipeline, pipeline_parallel.measured_bubble,
-              folded="▶ One stage's loop and its launcher — open after lab 11's part 6 passes")
+              folded="▶ One stage's loop, its launcher and the measured bubble — open after "
+                     "lab 11's part 6 passes")
 
 # %% [markdown]
 # The two claims below rest on these lines, read from the source: `pipeline_worker` counts
@@ -985,6 +986,15 @@ viz.show_code(pipeline_parallel.torch_pipelining_worker,
               pipeline_parallel.compare_with_torch_pipelining,
               folded="▶ torch's pipeline worker and the comparison (no lab answer: open "
                      "any time)")
+
+# %% [markdown]
+# The message claim below rests on these lines of torch's worker: it runs two steps and
+# records each one's sends; a step's messages are the second's, the setup's what the first
+# adds:
+
+# %%
+viz.show_code(excerpt(pipeline_parallel.torch_pipelining_worker, "sends = []",
+                      '"setup_messages"'))
 
 # %%
 versus = pipeline_parallel.compare_with_torch_pipelining(stages, m_show, "1f1b", timeout=120)
@@ -1160,35 +1170,24 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # %% [markdown]
 # ## 5. A planner
 # Which sizes, then, for a real model on a real cluster? `dpcourse.planner` tries every
-# tensor size t that divides the GPUs of a node (so that no tensor-parallel group straddles
-# two nodes), pipeline size p (dividing the layers) and data-parallel flavour (DDP, ZeRO-1,
-# ZeRO-3), with D = GPUs / (t·p) data-parallel replicas (d stays the model's width), and for
-# each computes per GPU: model state (lesson 08's 16 bytes per parameter, over Ψ/(t·p)
-# parameters: the ZeRO paper's accounting, 16-bit gradients accumulated and all-reduced in
-# 16 bits — Megatron-LM's own `--fp16` keeps an fp32 copy of them too, 20 bytes, not modelled
-# here; with `--bf16`, its default fp32 gradients (18 bytes) are checked after the ranking),
-# activations (section 1,
-# 1F1B's first stage holding min(p, M) micro-batches, the layers recomputed, without
-# sequence parallelism, which came after the 2021 runs it is checked against), the messages and bytes per step of
-# each dimension (per GPU; data parallelism in DDP's 25 MiB buckets; ZeRO-3 gathers and
-# reduce-scatters once per micro-batch, M times a step, for it reshards between micro-batches
-# as FSDP2 does at its defaults — lesson 08 counted 2k all-gathers at k micro-batches; torch's
-# pipeline stages instead skip the resharding after backward and the gradient sync until the
-# last micro-batch, `stage.py`, a memory this planner does not price), and a step time —
-# compute at an assumed half of the GPU's peak, stretched by the pipeline's fill and drain,
-# plus every byte at its link's speed with nothing overlapped. That is an estimate at the
-# assumed efficiency, not a bound: a run that reaches more of the peak, or overlaps its
-# messages, is faster (the published row below ran at 47 % of peak). Good for ranking, not a
-# prediction. Which links a dimension uses depends on how the ranks are numbered: the planner
-# numbers them tensor first, then pipeline, then data (`order="tp-pp-dp"`), so a pipeline
-# spans t·p consecutive ranks; a dimension whose groups cross a node boundary anywhere is
-# priced at the network's speed (Megatron-LM numbers data before pipeline: checked after the
-# ranking). When two rows' estimates are equal, the one with fewer messages goes first (a
-# latency the estimate leaves out), then the one with less memory. Memory is planned against 80 GB (10⁹ bytes): the A100's 85.9 GB less a
-# margin for what the planner does not count (CUDA context, NCCL buffers, fragmentation).
-# Two assumptions tilt the ranking: DDP all-reduces once per step (`no_sync()` over the
-# micro-batches) but ZeRO-3 every micro-batch (above), which favours DDP by construction; and
-# a pipeline message carries a full activation per GPU (the paper's scatter-gather sends 1/t).
+# tensor size t dividing a node's GPUs (no tensor-parallel group straddles two nodes), every
+# pipeline size p dividing the layers, and DDP, ZeRO-1 and ZeRO-3, with D = GPUs / (t·p)
+# replicas (d stays the model's width). For each it computes per GPU the model state, the
+# activations, each dimension's messages and bytes per step, and a step time: compute at an
+# assumed half of the peak,
+# stretched by the pipeline's fill and drain, plus every byte at its link's speed, nothing
+# overlapped. An estimate for ranking, not a prediction or a bound (the published row below
+# ran at 47 % of peak). Its assumptions:
+#
+# | assumption | effect on the ranking | where checked |
+# |---|---|---|
+# | 16 bytes per parameter over Ψ/(t·p) (lesson 08; 16-bit gradients; `--fp16`'s 20 not modelled) | `--bf16`'s default fp32 gradients (18 bytes) cost more memory and wire | after the ranking (`grad_bytes=4`) |
+# | activations: layers recomputed, 1F1B's first stage holds min(p, M) micro-batches, no sequence parallelism (newer than the 2021 runs) | each of the t ranks keeps a layer's whole input | ranking cell's claim |
+# | DDP all-reduces once per step (`no_sync()`, 25 MiB buckets); ZeRO-3 gathers and reduce-scatters every micro-batch, as FSDP2's defaults (torch's pipeline stages defer resharding and sync to the last micro-batch, `stage.py`: unpriced) | favours DDP by construction | ranking cell (DP msgs) |
+# | ranks numbered tensor, pipeline, data (`order="tp-pp-dp"`); a dimension whose groups cross a node anywhere is priced at the network's speed | sets the links each dimension uses (Megatron-LM numbers data before pipeline) | after the ranking |
+# | a pipeline message carries a full activation per GPU | the paper's scatter-gather sends 1/t | ranking cell (PP GB ÷ t) |
+# | ties: fewer messages first, then less memory | stands for a latency left out | the tie, below |
+# | 80 GB (10⁹ bytes) planned: the A100's 85.9 less CUDA context, NCCL buffers, fragmentation | rows between the two are dropped | the cluster, printed below |
 
 # %%
 viz.show_code(planner.Cluster, planner.within_nodes, planner.plan)
@@ -1262,13 +1261,6 @@ print(f"ZeRO-3's DP msgs, plan_row's formula: 3 × (layers / p) × M = 3 × {mod
       "and micro-batch: lesson 08's 2k all-gathers at k micro-batches)")
 claim(f"none of ZeRO-3's {len(zero3_rows)} rows that fit is among the six fastest",
       len(zero3_rows) > 0 and all(r["stage"] != "zero3" for r in options[:6]))
-claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
-      "tensor-parallel collectives per micro-batch (lab 11 counts them only for MLPs, in part "
-      "6 for two stacked ones; attention and recomputation are the planner's); the folded cell "
-      "above shows the 6 (planner.TP_MESSAGES_PER_LAYER, checked against section 2's run), with "
-      "which collectives they are and their split by pass",
-      all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
-          for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))
 claim(f"no sequence parallelism in any row: a recomputed layer keeps its input, 2·s·b·d = "
       f"{2 * model.seq_len * model.hidden / 1e6:.0f} MB at b = 1, whole on each of the t ranks",
       all(math.isclose(r["activation_bytes"],
@@ -1308,6 +1300,19 @@ claim(f"a tensor size that does not divide the node's {cluster.gpus_per_node} GP
       f"{cluster.inter_bw / gb:.0f} GB/s, {across['time_s']:.0f} s a step against "
       f"{pub['time_s']:.0f} s",
       across["tp_link"] == cluster.inter_bw and across["time_s"] > 1.3 * pub["time_s"])
+
+# %% [markdown]
+# **▶ What the TP msgs column counts per layer — open after your lab passes**.
+
+# %% jupyter={"source_hidden": true}
+with viz.folded_output("▶ TP msgs per layer — open after your lab passes"):
+    claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
+          "tensor-parallel collectives per micro-batch (lab 11 counts them only for MLPs, in "
+          "part 6 for two stacked ones; attention and recomputation are the planner's); the "
+          "folded cell above shows the 6 (planner.TP_MESSAGES_PER_LAYER, checked against "
+          "section 2's run), with which collectives they are and their split by pass",
+          all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
+              for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))
 
 # %% [markdown]
 # That ranking assumes the ZeRO paper's 16-bit gradients. With `--bf16`, Megatron-LM accumulates and
@@ -1523,7 +1528,9 @@ viz.quiz(quizzes.questions("11"))
 #   autograd saved references it without holding its bytes (section 1's `other_resident`).
 # - `torch/distributed/pipelining/stage.py` — `PipelineStage`; `perform_reduce_grad` calls
 #   `scale_grads` (`scale_grads=True`, the schedules' default; what it does: section 3's
-#   folded cell);
+#   folded cell); the first step's setup sends: `_warmup_forward_vote` and
+#   `_warmup_backward_result` (lines 1851, 1893: one int32 each way per boundary, called from
+#   `schedules.py` lines 397, 401) and `_send_meta` (line 1837, `send_object_list`);
 #   `torch/distributed/pipelining/schedules.py` — `ScheduleGPipe`, `Schedule1F1B` (refuses
 #   fewer micro-batches than stages); `_batch_p2p` (lines 768–814): a batch of sends only, or
 #   of receives only, is issued op by op (`op_types == {dist.isend}`), any other through
