@@ -184,7 +184,7 @@ claim("after one DataParallel forward, the module's BatchNorm running mean diffe
 # BatchNorm normalises each sample with the mean and variance of the batch it sees — here, of
 # its replica's chunk, not of the whole batch — so the outputs themselves differ. The equality
 # proven below holds only for models whose layers treat every sample on its own and draw no
-# random numbers (SmallCNN has no BatchNorm, and its `nn.Dropout` has p = 0 here, its default;
+# random numbers (SmallCNN has no BatchNorm, and its `nn.Dropout` has p = 0 here, SmallCNN's default;
 # DDP in lesson 03 — one process per device, each called a *rank* — has the same caveat, and
 # treats the buffers its own way, which lesson 03 measures):
 

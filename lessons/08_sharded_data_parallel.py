@@ -616,8 +616,9 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 # when its reduce-scatter ends: `post_backward` keeps it in `comm_ctx.reduce_scatter_states`
 # (`_fsdp_param_group.py`) until the *next* group's `post_backward`, which makes the
 # compute stream wait for that reduce-scatter, then drops it before reducing its own
-# (1 may stay by default; `FSDPModule.set_reduce_scatter_max_input_buffers` sets how many; only
-# a `fully_shard` call's last parameter group drops, here every group: one per call), or, for
+# (one buffer may stay by default, `FSDPModule.set_reduce_scatter_max_input_buffers` sets how
+# many; only a `fully_shard` call's last group drops kept buffers, and here each call makes one
+# group), or, for
 # the last group, until the root's end-of-backward callback (the *root*, section 6: the
 # outermost sharded module, which queues a function for the end of the whole backward;
 # `_root_post_backward_final_callback`), which

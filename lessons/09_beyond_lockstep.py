@@ -86,7 +86,7 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 # another framework's own, such as TensorFlow's `ParameterServerStrategy` (each worker and
 # parameter server runs a `tf.distribute.Server`, a server task only `join()`s; a coordinator
 # dispatches `tf.function`s to the workers, which update the variables on the servers):
-# asynchronous by default, variables round-robin over the servers, a large one sharded, a
+# asynchronous by default, variables round-robin over the servers (sharded if given a partitioner), a
 # preempted worker's function requeued. We use `dist.send` / `dist.recv`: one flat tensor per
 # message, and a wrapper counts every byte; rpc would hide it. The asynchronous server
 # receives from whichever worker is done first (`recv` with no source), which torch's NCCL

@@ -574,9 +574,9 @@ claim("one program per bug 4 to 10, and bug 9's first step alone",
 # The detector for replicas: a **checksum** of every parameter and buffer, sent back by each
 # rank, compared across ranks with no tolerance: replicas kept in sync are bit-identical (lesson
 # 03), so their checksums agree to the last bit when every rank sums the same way (with one
-# exception, folded after the lab pointer). Weighted by position, so
-# equal sums with values in other places still differ. It is summed on the tensor's own device
-# (CPU for MPS, which lacks float64), a chunk at a time, so a GPU model needs no CPU copy.
+# exception, folded after the lab pointer). Weighted by position, so tensors with equal sums
+# but values in other places still differ. It is summed on the tensor's own device (CPU for
+# MPS, which lacks float64), a chunk at a time, so a GPU model needs no CPU copy.
 # Lab 10's stretch asks you for a detector of your own, `replicas_in_sync(model)`.
 
 # %%

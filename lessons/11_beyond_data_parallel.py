@@ -1181,13 +1181,13 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 #
 # | assumption | effect on the ranking | where checked |
 # |---|---|---|
-# | 16 bytes per parameter over Ψ/(t·p) (lesson 08; 16-bit gradients; `--fp16`'s 20 not modelled) | `--bf16`'s default fp32 gradients (18 bytes) cost more memory and wire | after the ranking (`grad_bytes=4`) |
+# | 16 bytes per parameter over Ψ/(t·p) (lesson 08; 16-bit gradients; `--fp16`'s 20 bytes not modelled) | `--bf16`'s default fp32 gradients (18 bytes) cost more memory and more bytes on the wire | after the ranking (`grad_bytes=4`) |
 # | activations: layers recomputed, 1F1B's first stage holds min(p, M) micro-batches, no sequence parallelism (newer than the 2021 runs) | each of the t ranks keeps a layer's whole input | ranking cell's claim |
 # | DDP all-reduces once per step (`no_sync()`, 25 MiB buckets); ZeRO-3 gathers and reduce-scatters every micro-batch, as FSDP2's defaults (torch's pipeline stages defer resharding and sync to the last micro-batch, `stage.py`: unpriced) | favours DDP by construction | ranking cell (DP msgs) |
 # | ranks numbered tensor, pipeline, data (`order="tp-pp-dp"`); a dimension whose groups cross a node anywhere is priced at the network's speed | sets the links each dimension uses (Megatron-LM numbers data before pipeline) | after the ranking |
 # | a pipeline message carries a full activation per GPU | the paper's scatter-gather sends 1/t | ranking cell (PP GB ÷ t) |
 # | ties: fewer messages first, then less memory | stands for a latency left out | the tie, below |
-# | 80 GB (10⁹ bytes) planned: the A100's 85.9 less CUDA context, NCCL buffers, fragmentation | rows between the two are dropped | the cluster, printed below |
+# | 80 GB (10⁹ bytes) planned: the A100's 85.9 GB less CUDA context, NCCL buffers, fragmentation | rows needing between 80 and 85.9 GB are dropped | the cluster, printed below |
 
 # %%
 viz.show_code(planner.Cluster, planner.within_nodes, planner.plan)
