@@ -357,8 +357,8 @@ assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 # same size): both are defensible. What must hold either way: every full step holds the
 # `global_batch` samples the training loop was told (only the epoch's last step may be short,
 # with what is left), and an argument you refuse is refused by `make_dist_dataset` itself (an
-# error TensorFlow raises for you from deep inside does not count), with an error that names
-# both numbers that did not fit: the global batch and the replica count. The check accepts
+# error TensorFlow raises for you from deep inside does not count), with an error that
+# names both numbers that did not fit: the global batch and the replica count. The check accepts
 # each choice that keeps this, and names by its cause each that does not.
 
 # %% [markdown]
