@@ -211,7 +211,8 @@ def pytest_ignore_collect(collection_path, config):
 FILE_SECONDS = Path(__file__).with_name("file_seconds.txt")
 
 
-def _file_seconds() -> dict:
+def file_seconds() -> dict:
+    """tests/file_seconds.txt as {path: seconds}."""
     table = {}
     for line in FILE_SECONDS.read_text().splitlines():
         if line.strip():
@@ -226,7 +227,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    table = _file_seconds()
+    table = file_seconds()
     typical = sorted(table.values())[len(table) // 2] if table else 0.0
     # A stable sort on the file's weight alone keeps each file's tests (and each notebook's
     # cells) together and in their own order.

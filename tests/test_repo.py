@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import file_seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -244,8 +246,7 @@ def test_the_suite_order_table_names_every_file():
     """tests/conftest.py hands the xdist workers the slowest files first, by the seconds in
     tests/file_seconds.txt (CI's "slowest files" table, copied in). A new test file or notebook
     missing from it would be guessed at: name it there, with its seconds from CI's log."""
-    table = {line.split()[1] for line in
-             (ROOT / "tests" / "file_seconds.txt").read_text().splitlines() if line.strip()}
+    table = set(file_seconds())
     files = {str(p.relative_to(ROOT)) for pattern in ("tests/test_*.py", "lessons/*.ipynb",
                                                        "solutions/*.ipynb")
              for p in ROOT.glob(pattern)}

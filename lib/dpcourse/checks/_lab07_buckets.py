@@ -84,21 +84,18 @@ def _mb_gap_case() -> tuple[str, list, float]:
             _params_of([25_000, 110_000, 150_000]), 1.0)
 
 
-def _mb_cap_problem(got: list, cases: list) -> Problem | None:
+def _mb_cap_problem(got: list, cases: list, plain: list[int]) -> Problem | None:
     """The sentence for a cap counted in MB (10**6 bytes) instead of MiB: ``got`` (per case,
     the learner's buckets as indices of its trainable parameters, or None) is DDP's walk at
-    cap × 10**6 bytes in every case of one dtype, and differs from DDP's at cap × 2**20."""
-    plain = [k for k, (_, ps, _) in enumerate(cases)
-             if all(p.requires_grad for p in ps) and len({p.dtype for p in ps}) == 1]
-    walk = lambda ps, cap: _greedy([p.numel() * p.element_size() for p in ps], cap,
-                                   list(range(len(ps) - 1, -1, -1)))
-    if any(got[k] != walk(cases[k][1], cases[k][2] * 10**6) for k in plain):
+    cap × 10**6 bytes in every ``plain`` case (one dtype, nothing frozen), and differs from
+    DDP's at cap × 2**20."""
+    if any(got[k] != _reverse_walk(cases[k][1], cases[k][2] * 10**6) for k in plain):
         return None
-    k = next((k for k in plain if got[k] != walk(cases[k][1], cases[k][2] * MiB)), None)
+    k = next((k for k in plain if got[k] != _reverse_walk(cases[k][1], cases[k][2] * MiB)), None)
     if k is None:
         return None
     what, ps, cap = cases[k]
-    first = next(b for b, r in zip(got[k], walk(ps, cap * MiB)) if b != r)
+    first = next(b for b, r in zip(got[k], _reverse_walk(ps, cap * MiB)) if b != r)
     closed = sum(ps[i].numel() * ps[i].element_size() for i in first)
     return Problem(f"your cap is 10**6 bytes (MB); DDP's MiB is 2**20 = 1,048,576 bytes ({what}: "
                    f"your bucket {got[k].index(first)} was closed at {closed:,} bytes, which "
@@ -136,6 +133,13 @@ def _greedy(sizes: list[float], cap: float, order: list[int]) -> list[list[int]]
     if current:
         buckets.append(current)
     return buckets
+
+
+def _reverse_walk(params: list, cap: float,
+                  size_of=lambda p: p.numel() * p.element_size()) -> list[list[int]]:
+    """:func:`_greedy` over ``params`` walked as the backward produces their gradients (reverse
+    registration order), each weighed by ``size_of`` (its bytes unless told otherwise)."""
+    return _greedy([size_of(p) for p in params], cap, list(range(len(params) - 1, -1, -1)))
 
 
 def _by_dtype(sizes: list[float], dtypes: list, cap: float) -> list[list[int]]:

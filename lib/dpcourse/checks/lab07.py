@@ -76,9 +76,9 @@ from ._lab07_bench import CONFIGS, DEFAULT_TIMEOUT
 from ._lab07_bucketed import check_bucketed_ddp
 from ._lab07_buckets import (_DDP_CLOSING_FIX, _LIBRARY_ASSIGNMENT, _OTHER_RULES,
                              _TORCH_ASSIGNMENT, MiB, _bucket_cases, _calls_torch_assignment,
-                             _frozen_problem, _greedy, _is_library_assignment, _mb_cap_problem,
-                             _no_library_assignment, _no_torch_assignment, bucket_problem,
-                             mixed_problem, order_rule_of)
+                             _frozen_problem, _is_library_assignment, _mb_cap_problem,
+                             _no_library_assignment, _no_torch_assignment, _reverse_walk,
+                             bucket_problem, mixed_problem, order_rule_of)
 from ._lab07_puzzle import (BUCKET_QUESTION, PUZZLE, PUZZLE_CAP_MB, _puzzle_params,
                             explain_puzzle, show_bucket_puzzle)
 from ._lab07_predict import (PREDICTION_BUCKET, PREDICTION_CAP_MB, PREDICTION_QUESTION,
@@ -153,20 +153,18 @@ def check_assign_buckets(assign_buckets) -> None:
     plain = [k for k, (_, ps, _) in enumerate(cases)
              if all(p.requires_grad for p in ps) and len({p.dtype for p in ps}) == 1]
     if problems and all(got[k] is not None for k in plain):
-        mb = _mb_cap_problem(got, cases)
+        mb = _mb_cap_problem(got, cases, plain)
         if mb:
             fail(mb, fix=mb.fix)
         # Sizes measured in the wrong unit give buckets that are right for that unit in
         # every case: name the unit rather than the first over-full bucket.
         for variant, size_of in (("counted elements (p.numel()) as bytes", lambda p: p.numel()),
                                  ("assumed 4 bytes per element", lambda p: 4 * p.numel())):
-            predicted = [_greedy([size_of(p) for p in cases[k][1]], cases[k][2] * MiB,
-                                 list(range(len(cases[k][1]) - 1, -1, -1))) for k in plain]
+            predicted = [_reverse_walk(cases[k][1], cases[k][2] * MiB, size_of) for k in plain]
             if [got[k] for k in plain] == predicted:
                 k = next(k for k in plain if problems_at[k])
                 what, ps, cap = cases[k]
-                right = _greedy([p.numel() * p.element_size() for p in ps], cap * MiB,
-                                list(range(len(ps) - 1, -1, -1)))
+                right = _reverse_walk(ps, cap * MiB)
                 fail(f"the buckets are what you get if you {variant}, so the cap was compared "
                      f"with a number that is not the parameter's bytes ({what}: "
                      f"{len(got[k])} bucket(s) where DDP makes {len(right)}). The cap bounds "
