@@ -385,8 +385,8 @@ claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors 
 # `LaunchTimeoutError`. One difference from a script: under `spawn` a rank whose function has
 # returned does not exit; it keeps its process and connections until every rank has finished,
 # so a rank still waiting on it hangs until that timeout, which then names it. (In a script,
-# the finished rank's process would exit, and a peer waiting on it over gloo fails at once:
-# lesson 10 runs both.)
+# the finished rank's process would exit, and a peer waiting on it over gloo fails within
+# seconds, long before the timeout: lesson 10 runs both.)
 
 # %%
 import datetime
@@ -561,7 +561,7 @@ viz.quiz(quizzes.questions("00"))
 #   NCCL, `default_pg_timeout` for every other backend (gloo), when `init_process_group` is
 #   given no `timeout` (its docstring: the timeout "for operations executed against the process
 #   group"). gloo's TCP transport: a peer whose process exits closes its
-#   sockets, and the waiting rank fails at once ("Connection closed by peer", run in lesson 10).
+#   sockets, and the waiting rank fails within seconds ("Connection closed by peer", lesson 10).
 # - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7, the `nvidia-nccl-cu13` wheel torch depends on) —
 #   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's
 #   Python; its error reads "Multiple Ranks are using the same GPU/Partition. Set

@@ -30,7 +30,8 @@
 # 4. mixed precision (AMP): cheaper arithmetic, same accuracy;
 # 5. seeds: when two runs are identical, and when they are not.
 #
-# The parameters cell below is what an instructor changes (with papermill) to run this lesson
+# The parameters cell below is what an instructor changes (with papermill, a tool that runs a
+# notebook with new values for the cell tagged `parameters`) to run this lesson
 # at a larger scale, e.g. `-p dataset cifar10 -p n_train 50000 -p epochs 10`.
 
 # %% tags=["parameters"]
@@ -396,7 +397,9 @@ viz.show_code(train.rate_verdict, train.sign_test_p, train.compare_rates, train.
 # Every share below depends on where `time_breakdown` reads its clocks: before asking the
 # loader for a batch, after the batch has reached the device, after the forward, and after the
 # optimizer step — synchronizing a GPU at each, so a phase is charged what it cost, not how
-# fast Python queued it. The clocks are in the cell below; the two phases it times between
+# fast Python queued it. On a GPU that also stops the host from fetching the next batch while
+# the device computes, so there the data share is an upper bound on what a loop without the
+# synchronizations waits; on a CPU nothing overlaps. The clocks are in the cell below; the two phases it times between
 # them, `step_phases`, hold a training step (part of lab 01's answer) and wait, folded, at the
 # end of the lesson.
 

@@ -604,8 +604,9 @@ print("On this run: " + "; ".join(
 
 # %% [markdown]
 # **One process, one GIL.** The replicas run in threads of one Python process. Torch kernels
-# release the GIL: while one thread runs a long matrix product, another keeps running Python
-# (`dp_costs.kernel_gil_probe`, folded below, measures that thread's longest pause):
+# release the GIL: while one thread runs a long matrix product, another thread's Python never
+# pauses for half the product's time (`dp_costs.kernel_gil_probe`, folded below, measures its
+# longest pause):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -621,11 +622,11 @@ claim("a torch kernel releases the GIL: the Python thread never paused for half 
 # But all the Python around the kernels (module calls, hooks, the autograd glue) takes
 # turns. Pure Python work is where it shows: under the GIL, two units of it run in two threads
 # cannot finish faster than one after the other, beyond the noise of the machine's load,
-# however many cores there are (handing the lock from thread to thread can make them slower).
+# however many cores there are (handing the lock over can make them slower).
 # The demo below times both ways, but the wall clock is not the judge: it also measures the CPU
 # time the process burns per second of each way. Two truly parallel threads would burn up to
 # two, threads that take turns at most about one. A busy machine lowers these numbers whatever
-# the GIL does, so the run's own verdict, printed last, says what this run could tell:
+# the GIL does, so the run's own verdict says what this run could tell:
 
 # %%
 viz.show_code(dp_costs.python_work, dp_costs.gil_threads_demo)

@@ -8,9 +8,9 @@
 # - read a complete DDP training worker (process group, `DistributedDataParallel`, sharded
 #   data, the loop) and write its averaging step yourself;
 # - prove that averaging gradients by hand, DDP, and one process on the global batch agree;
-# - explain DDP's buckets — why the first iteration reduces a single bucket (the first two,
-#   when you promise DDP that every iteration uses the same parameters) and how later buckets
-#   overlap the backward — and measure how far a bucket can exceed its cap, from what you record;
+# - explain DDP's buckets — why, with one `bucket_cap_mb` and the default flags, the first
+#   iteration reduces a single bucket (the first two under `static_graph`) and how later buckets
+#   can overlap the backward — and measure how far a bucket can exceed its cap, from what you record;
 # - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
@@ -178,9 +178,10 @@ viz.show(viz.collectives_figure(before, after),
 # 2. **Independent samples**: each sample's loss depends on that sample alone. Training-mode
 #    BatchNorm breaks it: it normalises each sample with its batch's statistics, so a rank's
 #    shard gives a different gradient than the global batch (the cell below shows it too).
-# 3. **No per-rank randomness** in the forward. Dropout would break it: each rank draws its
-#    own masks from its own random stream; every model in this lesson keeps `SmallCNN`'s
-#    default `dropout=0.0`.
+# 3. **No randomness** in the forward. Dropout breaks it even on identically seeded ranks (a
+#    rank's masks for its shard are not those the global batch would draw): still a valid
+#    stochastic gradient, not the same numbers. Every model here keeps `SmallCNN`'s
+#    `dropout=0.0`.
 #
 # So after `backward()` and before the optimizer step, every rank must replace each of its
 # gradients by their average over all the ranks — the same numbers on every rank. That is the
@@ -591,7 +592,8 @@ for it, seen in enumerate(runs[0]):
 first, second, third = runs[0]
 claim(f"the model ({model_bytes / 2**20:.2f} MiB) is larger than the bucket cap ({cap_mb} MiB)",
       model_bytes > cap_mb * 2**20)
-claim("iteration 0: ONE bucket holding all 10 parameters, whatever the cap",
+claim("iteration 0 (one bucket_cap_mb, default flags): ONE bucket holding all 10 parameters, "
+      "whatever bucket_cap_mb",
       len(first["buckets"]) == 1 and len(first["buckets"][0][0]) == 10)
 claim("from iteration 1 on: several buckets, the same on every later iteration",
       len(second["buckets"]) > 1 and [b[0] for b in second["buckets"]]
@@ -791,8 +793,7 @@ claim("static_graph=True, unused head: in every iteration the bucket holding unu
 
 # %% [markdown]
 # ### The cap is not a ceiling
-# The cap is 0.1 MiB (102.4 KiB; DDP reads `bucket_cap_mb` as MiB, though its name says MB),
-# and the classifier's first weight, `classifier.1.weight`, is 512 KiB by itself. The reducer
+# The cap is 0.1 MiB (102.4 KiB), and `classifier.1.weight` is 512 KiB by itself. The reducer
 # never splits a gradient, so a bucket can end far above its cap (claimed below). Which
 # gradients share a bucket, and exactly when one closes, is lesson 07's section 3 and lab 07's
 # part 1; that is why the buckets' contents above are folded.
@@ -814,9 +815,8 @@ claim(f"a rebuilt bucket here is {largest / limit:.1f}x its cap (more than 5x)",
 # (`viz.bucket_timelines_figure` only draws them). Each tick on a "gradients computed" row is a
 # gradient being computed (ticks a fraction of a millisecond apart merge into one); each bar is
 # one bucket, from DDP's call to the hook to the all-reduce's completion callback: a latency,
-# any wait before the transfer included, so bars can overlap. Labels give its size and
-# tensors (`c.` = `classifier.`, `f.` = `features.`, `.w`/`.b` = weight/bias). The axis ends
-# when the slower backward returned.
+# any wait before the transfer included, so bars can overlap. Labels give its index and size,
+# not its tensors (folded above). The axis ends when the slower backward returned.
 
 # %%
 claim("iteration 0: its one bucket was launched only after the last gradient was computed",
@@ -945,9 +945,9 @@ claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a
 # broadcast); with it off, each rank evaluates with its own
 # and N ranks report N different accuracies for the same weights. Statistics over the whole
 # global batch need `nn.SyncBatchNorm` (lesson 04), which, in every training-mode forward,
-# **all-gathers** each rank's batch mean, inverse standard deviation and sample count (the
-# counts may differ between ranks, which a plain all-reduce of the statistics could not
-# weigh), and all-reduces only in its backward. Its source says so (the collectives each
+# **all-gathers** each rank's batch mean, inverse standard deviation and sample count (an
+# all-reduce of the per-rank means and invstds could not weigh unequal counts), and
+# all-reduces only in its backward. Its source says so (the collectives each
 # method calls, read from the installed torch):
 
 # %%
@@ -967,7 +967,7 @@ claim("SyncBatchNorm's forward only all-gathers (no all_reduce); its backward on
 # | | DataParallel | DDP |
 # |---|---|---|
 # | processes | 1 (threads, one GIL) | 1 per device |
-# | weights sent | every step, from device 0 | once, at the start, and again when a `Join` context ends (buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
+# | weights sent | every step, from device 0 | once, at the start, and again when a `Join` context (for uneven inputs) ends (buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
 # | gradients | summed onto device 0 | all-reduced, averaged on every rank |
 # | per-step traffic at the busiest device, numbers sent + received (K: the number of gradient values, as lesson 02 counted them; times 4 for bytes in float32) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way; lesson 06 derives it) |
 # | overlap with backward | no | yes (buckets) |
@@ -1184,15 +1184,16 @@ claim("this torch's gloo can make its TCP transport and has no ibverbs one (libt
 #   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
 #   as every shard's mean loss divides by the same count (equal shards, no padding skipped
 #   unevenly), no layer couples the samples of a batch (training-mode BatchNorm does) and the
-#   forward draws no per-rank randomness (dropout would; `SmallCNN`'s is 0 here).
+#   forward draws nothing at random (dropout, even seeded alike, gives a valid stochastic
+#   gradient, not the same numbers; `SmallCNN`'s is 0 here).
 # - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
 #   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
 #   not known yet; with `static_graph=True` the first two iterations do), unless
 #   `find_unused_parameters=True` without `static_graph`, or `bucket_cap_mb_list`; afterwards
 #   the buckets follow the order the gradients arrived, rank 0's assignment on every rank, and
-#   they overlap the backward. With `static_graph=True`, an unused parameter's bucket is
-#   all-reduced from iteration 1 on although its gradient never came (the reducer marks it
-#   ready: lesson 07, section 6).
+#   let communication overlap the backward (what that buys here, lesson 07 measures). With
+#   `static_graph=True`, an unused parameter's bucket is all-reduced from iteration 1 on
+#   although its gradient never came (the reducer marks it ready: lesson 07, section 6).
 # - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
 #   can end several times the cap; how DDP groups them is lesson 07's.
 # - Before the first forward, and before each forward whose previous forward ran with gradients

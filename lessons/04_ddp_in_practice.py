@@ -359,8 +359,8 @@ claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {ma
 # resumes. Here rank 1 kills itself (SIGKILL) after step 11; the last checkpoint is step 8. The
 # run has the same arguments as the two-node run of section 2 (2 ranks, same seed), with the
 # checkpoint and the fault added, so that uninterrupted run is what it must end equal to. It
-# can only because nothing in this training step draws random numbers (no dropout, no random
-# augmentation); what a checkpoint must hold when a step does is lab 04's stretch question. The cell
+# can because weights, optimizer state and data position are all this step depends on; what
+# else a checkpoint can need is lab 04's stretch question. The cell
 # prints the torchrun command it ran (folders cut) and the variables the launcher sets
 # (`launch.torchrun_env`: unbuffered output, a `[rank k]` prefix, one thread per worker).
 
@@ -935,18 +935,16 @@ claim("Join's cost: in every training iteration each rank made 2 all-reduces fro
 #
 # DDP **averages** the ranks' gradients. With a per-rank batch B, N ranks compute the gradient
 # of the mean loss over N·B images: one step of N ranks is one step of one process on the global
-# batch N·B (section 1 showed it). So when you go from 1 to 8 GPUs *at a fixed per-rank batch*,
-# the global batch grows 8× and the number of steps per epoch falls 8×. The **linear scaling
-# rule** (Goyal et al., 2017, who trained ResNet-50 with batches up to 8192) says: when the
+# batch N·B (section 1 showed it). So going from 1 to 8 GPUs *at a fixed per-rank batch* grows
+# the global batch 8× and cuts the steps per epoch 8×. The **linear scaling
+# rule** (Goyal et al., 2017) says: when the
 # global batch is multiplied by k, multiply the learning rate by k — with a few epochs of
 # warm-up, because a large rate at the start diverges. It is an empirical rule for SGD with
 # momentum, and it breaks down past some batch size (the critical batch size, lesson 11). With Adam,
-# square-root scaling is the more common starting point (a rule of thumb, not run here: Malladi
-# et al., 2022, derive it for adaptive optimisers).
+# square-root scaling is the usual starting point (Malladi et al., 2022; not run here).
 #
-# **What if the gradients are summed instead of averaged** (an all-reduce without the division
-# by N, as a hand-written loop may do, or a comm hook — the function DDP calls with each bucket
-# of gradients, lesson 03 — that forgets to divide)? Then each step uses N × the mean
+# **What if the gradients are summed instead of averaged** (a hand-written all-reduce, or a
+# comm hook — lesson 03 — that forgets to divide by N)? Then each step uses N × the mean
 # gradient. For plain SGD and for SGD with momentum, that is the same step as averaging
 # with `lr × N`: the momentum buffer just holds N × the averaged one. Bit for bit only when N is
 # a power of two, as here (N = 2: halving and doubling are exact in floating point); for other
@@ -959,9 +957,10 @@ claim("Join's cost: in every training iteration each rank made 2 all-reduces fro
 # summing multiplies the gradient by N but not the decay term `wd·w`, so it equals averaging at
 # `lr × N` *and* `wd / N`. With Adam (no weight decay), summing changes almost nothing: Adam
 # divides by the gradient's running root-mean-square, so N cancels (except against `eps`), and
-# multiplying Adam's lr by N is the mistake. Adam's `weight_decay` is added to the gradient
-# before that division (`adam.py`), so there summing shrinks the decay N-fold. Five steps on 2
-# ranks:
+# multiplying Adam's lr by N is the mistake. Adam's default `weight_decay` joins the gradient
+# before that division (`adam.py`), so summing shrinks it N-fold; AdamW's
+# (`decoupled_weight_decay=True`) is `w ← w·(1 − lr·wd)`, which summing leaves alone. Five steps
+# on 2 ranks:
 
 
 # %%
@@ -1009,6 +1008,8 @@ def sum_or_average(rank, world_size, cases):
         "SGD, clipped, same lr": (lambda p: SGD(p, lr=lr), lambda p: SGD(p, lr=lr)),
         "Adam, same lr": (lambda p: Adam(p, lr=lr), lambda p: Adam(p, lr=lr)),
         "Adam": (lambda p: Adam(p, lr=lr), lambda p: Adam(p, lr=lr * N)),
+        "Adam + weight decay": (lambda p: Adam(p, lr=lr, weight_decay=0.1),) * 2,
+        "AdamW + weight decay": (lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1),) * 2,
     }
     out = {}
     for name in cases:
@@ -1022,11 +1023,12 @@ def sum_or_average(rank, world_size, cases):
 
 
 cases = ["SGD", "SGD + momentum", "SGD + weight decay", "SGD + weight decay / N",
-         "SGD, clipped at 0.01", "SGD, clipped, same lr", "Adam, same lr", "Adam"]
+         "SGD, clipped at 0.01", "SGD, clipped, same lr", "Adam, same lr", "Adam",
+         "Adam + weight decay", "AdamW + weight decay"]
 gaps_lr = launch.spawn(sum_or_average, world_size, cases, backend="gloo", timeout=timeout)[0]
 print("summed gradients at lr  vs  averaged gradients at:")
 for name, (versus) in zip(cases, ["lr × N", "lr × N", "lr × N", "lr × N, wd / N", "lr × N",
-                                  "lr", "lr", "lr × N"]):
+                                  "lr", "lr", "lr × N", "lr", "lr"]):
     print(f"  {name:24s} ({versus:14s}) largest weight difference {gaps_lr[name]:.1e} "
           f"of the largest weight")
 
@@ -1047,8 +1049,9 @@ claim("with weight decay it differs (more than 1e-4) unless the decay is divided
       gaps_lr["SGD + weight decay"] > 1e-4 and gaps_lr["SGD + weight decay / N"] < 1e-6,
       gaps=gaps_lr)
 claim("Adam: summing is (almost) averaging at the same lr (to 1e-4), and lr × N is far off "
-      "(more than 1e-3)", gaps_lr["Adam, same lr"] < 1e-4 and gaps_lr["Adam"] > 1e-3,
-      gaps=gaps_lr)
+      "(more than 1e-3); so is Adam's default weight decay at the same lr, not AdamW's (to 1e-4)",
+      max(gaps_lr["Adam, same lr"], gaps_lr["AdamW + weight decay"]) < 1e-4
+      and min(gaps_lr["Adam"], gaps_lr["Adam + weight decay"]) > 1e-3, gaps=gaps_lr)
 
 # %% [markdown]
 # ## 7. Gradient accumulation with `no_sync`
@@ -1647,8 +1650,8 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   process's weights (to 1e-5).
 # * The same command runs on one machine or many (c10d rendezvous; bound `join_timeout`).
 #   Rank 0 saves, atomically; every rank loads with `map_location` and `weights_only=True`;
-#   with `--max-restarts` a killed run resumes and ends with **the same weights** (here, where
-#   no step draws random numbers; with dropout or random augmentation: lab 04's stretch).
+#   with `--max-restarts` a killed run resumes and ends with **the same weights** (here; what
+#   else a checkpoint can need: lab 04's stretch).
 # * Evaluate each image once, with the plain module (through the wrapper, a rank with no batch
 #   hangs the others), and combine the ranks so that the result equals one process exactly
 #   (how: lab 04, then the folded `evaluate`). Rank 0's number, a mean of means and
@@ -1659,8 +1662,9 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   the optimizer states).
 # * DDP averages: at a fixed per-rank batch the global batch grows with N (linear scaling rule:
 #   lr × k for a k× batch, with warm-up). Summed gradients equal averaged ones at lr × N for SGD
-#   (with or without momentum; bit for bit when N is a power of two), not with weight decay,
-#   not under gradient clipping (the same lr when the average is clipped too), and not for Adam.
+#   (momentum too; bit for bit when N is a power of two), not with weight decay,
+#   not under gradient clipping (the same lr when the average is clipped too), and not for Adam
+#   (same lr; its default weight decay shrinks N-fold, AdamW's does not).
 # * `no_sync` accumulation equals the big batch and all-reduces `accum` times less. AMP leaves
 #   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that).
 #   Buffers get rank 0's before a forward by section 4's rule. With small per-rank batches, synchronised batch statistics
@@ -1866,7 +1870,9 @@ viz.quiz(quizzes.questions("04"))
 #   `batch_norm_gather_stats_with_counts`, all_reduce of two per-channel sums only `if
 #   self.needs_input_grad[0]`.
 # - `torch/optim/sgd.py`, `torch/optim/adam.py` — where weight decay is added to the gradient
-#   and Adam divides by the root of its second moment.
+#   (Adam: unless `decoupled_weight_decay`, then `param.mul_(1 - lr * weight_decay)`) and Adam
+#   divides by the root of its second moment; `torch/optim/adamw.py` — `AdamW` is `Adam` with
+#   `decoupled_weight_decay=True`.
 # - `torch/cuda/__init__.py` — `is_bf16_supported(including_emulation=False)`: true on ROCm
 #   and on CUDA devices of compute capability 8.0 or more (`get_device_properties(...).major >= 8`).
 # - `torch/nn/utils/clip_grad.py` — `clip_grad_norm_` → `_clip_grads_with_norm_`:

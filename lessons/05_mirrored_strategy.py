@@ -25,8 +25,8 @@
 # ends with a PyTorch DDP run and a TF run agreeing to float precision.
 #
 # Contents: devices and the must-happen-first rule · MirroredStrategy and mirrored variables ·
-# tf.data with the global batch (cache, prefetch) · the custom loop and its proof · the 1/N
-# scaling bugs · Keras `fit` · mixed precision · checkpoints · MultiWorkerMirroredStrategy on
+# tf.data with the global batch (cache, prefetch) · replica and cross-replica context · the
+# custom loop's proofs, the 1/N scaling bugs · Keras `fit` · mixed precision · checkpoints · MultiWorkerMirroredStrategy on
 # localhost · PyTorch DDP vs TF, side by side.
 
 # %% tags=["parameters"]
@@ -104,7 +104,7 @@ claim("a smaller split is not refused: it is the first n devices of the existing
 # update to each. A variable created with `synchronization=ON_READ` — as every Keras metric's
 # state is (`Metric.add_variable`) — becomes a `SyncOnReadVariable` instead: each replica updates
 # its own copy, and they are combined only when the value is read by code that runs once for
-# all replicas (the *cross-replica context*, §4). Both kinds are claimed below. A variable
+# all replicas (the *cross-replica context*). Both kinds are claimed below. A variable
 # created outside the scope is an ordinary variable on one device: the strategy neither mirrors
 # nor syncs it.
 
@@ -273,9 +273,9 @@ viz.show_code(mirrored.make_dataset)
 #
 # An in-memory cache outlives its iterators, so each round builds both pipelines anew. A fresh
 # pipeline's first epoch may pay one-time costs: for the one that decodes every time, its first
-# epoch minus its second shows them. After an untimed warm-up of each kind (tracing the `map`,
-# §4, and loading the decoder), three rounds, the two kinds taking turns to go first; a gain or
-# a one-time cost is called only when every round shows it (5 % or more).
+# epoch minus its second shows them. After an untimed warm-up of each kind (tracing the `map`:
+# recording its ops into a graph, once; and loading the decoder), three rounds, the two kinds
+# taking turns to go first; a gain or a one-time cost is called only when every round shows it (5 % or more).
 
 # %% [markdown]
 # **▶ The timing's code** (folded below; its output shows: each round's two epochs, then what
@@ -330,7 +330,7 @@ else:
           + ", ".join(f"{d:+.3f} s" for d in first_extra) + ").")
 
 # %% [markdown]
-# ## 4. The custom loop, and its proof
+# ## 4. Replica and cross-replica context
 #
 # A mirrored step has three parts: `strategy.run(step_fn)` runs forward and backward on every
 # replica with its slice; `optimizer.apply_gradients` **sums** the replicas' gradients (Keras'
@@ -394,7 +394,7 @@ claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all
 # The two cells below run both. By the source alone (no cell of this lesson runs it): a hang is
 # what you get where no merge call checks the replicas — a step compiled with XLA (TensorFlow's
 # compiler, `tf.function(jit_compile=True)`) on all-GPU devices, where `_use_merge_call` is
-# false; and across the processes of `MultiWorkerMirroredStrategy` (section 8): it makes merge
+# false; and across the processes of `MultiWorkerMirroredStrategy` (section 9): it makes merge
 # calls by the same rule, but each process counts only its own replicas, so a replica missing in
 # *another* process leaves this one's collective waiting.
 # Here replica 0 returns before the call, eagerly first:
@@ -476,10 +476,12 @@ claim(f"inside an XLA-compiled function this strategy, whose devices are "
 # with a penalty every replica holds whole, is the lab's first question. Open
 # [lab05_mirrored_strategy](../labs/lab05_mirrored_strategy.ipynb) now: its step is not told
 # its size, so a short last batch, which this lesson does not train on, is part 1's case too. **Do
-# it before reading on**: the rest of this section proves what its part 1 builds on.
+# it before reading on**: §5 proves what its part 1 builds on.
 
 # %% [markdown]
-# **After the lab: the proofs.** The rule they rest on, for steps whose global batch is known
+# ## 5. After the lab: the proofs
+#
+# The rule they rest on, for steps whose global batch is known
 # in advance: since the strategy **sums** the replicas' gradients, each replica divides its
 # summed per-example losses by the **global** batch (`tf.nn.compute_average_loss` with
 # `global_batch_size=`), and the sum of the N gradients is one device's gradient of the mean
@@ -534,7 +536,7 @@ with viz.folded_output("▶ The claim — open after your lab passes"):
 
 # %% [markdown]
 # Every proof from here on runs the course's Keras CNN, `mirrored.build_keras_cnn` (the twin of
-# `SmallCNN`; §6 comes back to two of its lines). **▶ Its code** (click the folded cell below).
+# `SmallCNN`; §7 comes back to two of its lines). **▶ Its code** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(mirrored.build_keras_cnn, folded="▶ code: mirrored.build_keras_cnn")
@@ -825,12 +827,12 @@ claim("and so do the losses of every step (to 1e-5)",
       np.allclose(loss_mirror, loss_single, atol=1e-5))
 
 # %% [markdown]
-# ## 5. Keras `fit` under the strategy
+# ## 6. Keras `fit` under the strategy
 #
 # `fit` does all of the above for you: build and compile inside `strategy.scope()`, pass a
 # dataset batched with the global batch, and Keras splits batches, scales the loss and
 # all-reduces the gradients. Its loss is a Keras loss object, so its scaling is the one
-# section 4's folded table measured.
+# section 5's folded table measured.
 #
 # **▶ `fit` and regularisers (lab 05 part 1's penalty decision, answered) — open after your lab
 # passes** (click below).
@@ -854,7 +856,7 @@ claim("and so do the losses of every step (to 1e-5)",
 # %% [markdown]
 # The course's `mirrored.fit` builds the model unless it is given one, compiles it with the loss
 # from logits and calls Keras' `fit`; left to itself it would make SGD with momentum 0.9, so the
-# proof hands it the plain SGD of section 4's loop (`optimizer_in`).
+# proof hands it the plain SGD of section 5's loop (`optimizer_in`).
 #
 # **▶ `mirrored.fit`, the code (lab 05 part 2's answer: where the model and the optimizer are
 # built) — open after your lab passes** (click the folded cell below).
@@ -865,7 +867,7 @@ viz.show_code(mirrored.fit,
 
 # %% [markdown]
 # Proof: the same `steps` batches through `fit` under the strategy end with the weights one
-# device reached in section 4.
+# device reached in section 5.
 
 # %%
 fit_mirror = mirrored.fit(strategy, train.take(steps), epochs=1,
@@ -876,7 +878,7 @@ same_fit = all(np.allclose(a, b, atol=1e-5) for a, b in zip(
 claim("fit under MirroredStrategy ends with one device's weights (to 1e-5)", same_fit)
 
 # %% [markdown]
-# ## 6. Mixed precision
+# ## 7. Mixed precision
 #
 # A Keras dtype policy makes layers compute in 16 bits while their variables stay float32:
 # `mixed_bfloat16` or `mixed_float16` — Keras ties neither to a device; `mixed_float16` is the
@@ -971,11 +973,11 @@ claim(f"wrapping the optimizer without scale_loss makes the step 1/{scale:.0f} o
 # 16-bit model's logits are within 0.01 of float32's (the second cell below prints the typical gap
 # between an image's top two logits, what a prediction change would take; an accuracy of this untrained net
 # would say nothing), and after `steps` steps of `mirrored.fit` the weights differ from the float32
-# loop's of section 4 by less than 5 % of how far the float32 training moved them (largest element
+# loop's of section 5 by less than 5 % of how far the float32 training moved them (largest element
 # each). A fixed tolerance would prove nothing once it exceeds the training's own movement, which
 # is small in a few steps (printed below): a model that never trained would pass it. This one
 # scales with that movement. What is *trained* below is the profile's policy: `mixed_bfloat16` on a
-# CPU, `mixed_float16` on a GPU, where `fit`'s `compile` (shown in section 5) wraps the optimizer
+# CPU, `mixed_float16` on a GPU, where `fit`'s `compile` (shown in section 6) wraps the optimizer
 # in a `LossScaleOptimizer`. So on this course's CPU profile no float16 layer is ever trained:
 # `mixed_float16` was only compiled above, and the `LossScaleOptimizer` step above ran float32
 # layers. What is tested is that 16-bit arithmetic changes the logits and the trained weights by
@@ -1010,14 +1012,14 @@ print(f"{policy} vs float32 before training: largest logit difference {logit_gap
       f"float32 weight change of {moved:.1e} ({gap / moved:.1%})")
 
 # %% [markdown]
-# ## 7. Checkpoints under a strategy
+# ## 8. Checkpoints under a strategy
 #
 # `tf.train.Checkpoint` saves one copy of each mirrored variable (they are equal), so the file
 # does not depend on the number of replicas: it restores into a mirrored model or into a plain
 # one-device model alike: a `MirroredVariable` — every weight here — is written from its
 # *primary* copy, with no communication, and restored into every copy. Only a *sync-on-read*
 # variable (one whose copies are meant to differ, such as a metric's running total) is reduced
-# across replicas when it is saved. (In multi-worker training, section 8, TF's guidance is that
+# across replicas when it is saved. (In multi-worker training, section 9, TF's guidance is that
 # every worker calls `save`, since such a reduction is a collective that needs all of them; only
 # the *chief*'s directory is kept — the chief is the one worker that also does the bookkeeping
 # for the cluster, worker 0 unless `TF_CONFIG` names a separate "chief" task — and the others
@@ -1051,7 +1053,7 @@ claim("the checkpoint restores into a one-device model and into a mirrored one",
 claim("it restores the step counter too", restored_step == steps)
 
 # %% [markdown]
-# ## 8. MultiWorkerMirroredStrategy: two processes on localhost
+# ## 9. MultiWorkerMirroredStrategy: two processes on localhost
 #
 # The multi-node analogue of lesson 04's two torchrun "nodes": each worker is its own process
 # (on a cluster, its own machine) with a `TF_CONFIG` environment variable that lists every
@@ -1075,9 +1077,9 @@ claim("it restores the step counter too", restored_step == steps)
 # transport (sockets, InfiniBand, NVLink). No `"chief"` task is listed, so
 # worker 0 is the chief (`multi_worker_util.is_chief`). Starting from the same weights, both
 # workers end with the same weights as each other (bit for bit: `np.array_equal`) and as one
-# device in section 4 (to 1e-5). The worker's code — reading `TF_CONFIG`, the forced RING, its
+# device in section 5 (to 1e-5). The worker's code — reading `TF_CONFIG`, the forced RING, its
 # input pipeline (`strategy.distribute_datasets_from_function`, lab 05's stretch A) and the step
-# of section 4 — is folded below.
+# of section 5 — is folded below.
 
 # %% [markdown]
 # **▶ The worker (answers to lab 05's part 2 and stretch A) — open after your lab passes**
@@ -1124,7 +1126,7 @@ claim("and they equal one device on the global batch (to 1e-5)", equal_single)
 print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF import included)")
 
 # %% [markdown]
-# ## 9. Side by side: PyTorch DDP and TF MirroredStrategy
+# ## 10. Side by side: PyTorch DDP and TF MirroredStrategy
 #
 # | | PyTorch DDP (lessons 03–04) | TF MirroredStrategy (this lesson) |
 # |---|---|---|
@@ -1133,7 +1135,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split; `distribute_datasets_from_function`: each input pipeline feeds its replicas |
 # | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; for `distribute_datasets_from_function`: lab 05's stretch A |
 # | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`, after the backward: by default, in a `tf.function`, all gradients packed into one collective all-reduce (`CommunicationOptions(bytes_per_pack=...)` splits it into packs; `ReductionToOneDevice` if you ask) |
-# | so the loss must be | the rank's mean (`reduce_mean` semantics) | scaled so that the replicas' SUM is one device's gradient (for full steps ÷ `global_batch`, §4's table; any step: lab 05 part 1) |
+# | so the loss must be | the rank's mean (`reduce_mean` semantics) | scaled so that the replicas' SUM is one device's gradient (for full steps ÷ `global_batch`, §5's table; any step: lab 05 part 1) |
 # | reporting the loss | `all_reduce` / rank 0 | `strategy.reduce(op, ...)`, the op chosen by what each replica returns (lab 05) |
 # | checkpoints | rank 0 saves `state_dict` | `tf.train.Checkpoint`: mirrored weights saved from their primary copy (multi-worker: every worker calls save; keep the chief's) |
 #
@@ -1256,7 +1258,7 @@ viz.show_code("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.
 # <details><summary>▶ open</summary>
 #
 # * In an epoch's last step of one sample, replica 0 holds it and every other replica runs
-#   `step_fn` on an empty slice (§4's fold measured it). A Keras loss object there gives a `(0,)`
+#   `step_fn` on an empty slice (§5's fold measured it). A Keras loss object there gives a `(0,)`
 #   tensor eagerly and in a plain `@tf.function` (traced with the slice's concrete shape), a
 #   scalar 0.0 only where the trace leaves the batch dimension unknown (an `input_signature`,
 #   an iterator read inside the function as in `fit`, a relaxed retrace).
@@ -1312,7 +1314,7 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/python/distribute/collective_util.py` — `Options`: the communication implementation defaults to `AUTO`; `dpcourse/tf_multiworker_worker.py` asks for `RING`.
 # - `tensorflow/python/distribute/cross_device_utils.py` — `CollectiveReplicaLauncher.all_reduce`: `communication_hint=options.implementation.value` (`"AUTO"` by default); `tensorflow/python/ops/collective_ops.py` — `all_reduce_v2`: `communication_hint.lower()` (line 152); `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._update_config_proto`: `collective_nccl = True` only when `not ops.executing_eagerly_outside_functions()` (TF 1 graphs, lines 880-885), and its eager set-up (`_initialize_local`, `_initialize_multi_worker`) calls `configure_collective_ops` without `use_nccl_communication` (`tensorflow/python/eager/context.py`, line 1406). Read upstream (C++, not installed): `tensorflow/core/common_runtime/collective_param_resolver_local.cc` — `CollectiveParamResolverLocal::AssignCollectiveType`: NCCL only when `nccl_` (the config's `collective_nccl`) or `communication_hint == "nccl"`, on a GPU group. Read upstream (C++, not installed; the CPU wheel's `tensorflow/libtensorflow_cc.so.2` has only its `MaybeCreateNcclCommunicator` symbol): `tensorflow/core/nccl/collective_communicator.cc` — `NcclCommunicator::Enqueue`: an NCCL all-reduce is handed to `NcclManager::AddToAllReduce` with the group's `communicator_key`, and `NcclManager` launches the NCCL kernel on a CUDA stream of its own.
 # - `tensorflow/python/distribute/multi_worker_util.py` — `is_chief`: without a "chief" task, worker 0 is the chief.
-# - `tensorflow/python/checkpoint/checkpoint.py` — `CheckpointLoadStatus.expect_partial`: silences the warnings about saved or expected objects left unmatched (so a restore checks nothing by itself: the claims in §7 compare the weights).
+# - `tensorflow/python/checkpoint/checkpoint.py` — `CheckpointLoadStatus.expect_partial`: silences the warnings about saved or expected objects left unmatched (so a restore checks nothing by itself: the claims in §8 compare the weights).
 
 # %% [markdown]
 # ### Sources that answer lab 05

@@ -62,9 +62,8 @@ print("ranks for the training run:", world_size)
 #
 # Put the N workers on a ring: worker i sends only to worker i+1 and receives only from i−1.
 # Cut every worker's array into N chunks. Number the steps t = 1, 2, …, 2(N−1) through both
-# phases (t = 0 is the start, before anything is sent), as the trace, the figures, the
-# stepper below, the library's real ring and lab 06 do. At step t, worker i sends
-# **chunk (i + 1 − t) mod N** to its right neighbour:
+# phases (t = 0 is the start), as the trace, the library's ring and lab 06 do. At step t,
+# worker i sends **chunk (i + 1 − t) mod N** to its right neighbour:
 #
 # * **scatter-reduce**, steps t = 1 … N−1: the neighbour *adds* the chunk to its own copy. Each
 #   chunk travels around the ring collecting one more worker's contribution per step; after
@@ -98,9 +97,8 @@ claim("at every step t = 1 … 2(N−1), worker i sent chunk (i + 1 − t) mod N
 
 # %% [markdown]
 # **▶ The simulator's code — open after your lab passes** (the folded cell below:
-# `ring.simulate_ring`, the library's reference code, which every trace, count and claim of §1
-# and §2 ran; folded because its two phases are lab 06's first part, whose checks hold your own
-# simulator to the same sums).
+# `ring.simulate_ring`, which every trace, count and claim of §1 and §2 ran: lab 06's first
+# part, whose checks hold your simulator to the same sums).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(ring.simulate_ring,
@@ -121,8 +119,8 @@ stepper = viz.ring_stepper(trace)
 # Each worker sends N−1 chunks in the scatter-reduce and N−1 in the all-gather, each K/N of
 # the K bytes: **2(N−1)K/N**. The count grows with N (K at N = 2, 1.75K at N = 8) but stays
 # **under 2K, a bound independent of N**. When N does not divide the length, the chunks differ
-# by one element, and each worker's count is within one element per step of the formula. The
-# claim below checks the simulator's counts for many N and sizes, uneven ones too.
+# by one element, and each worker's count is within one element per step of the formula, as
+# the claim below checks for many N and sizes.
 #
 # **▶ How the simulator counts** (click the folded cell below: `RingTrace.elements_sent` adds
 # up every transfer a worker made; `bytes_sent` multiplies by the item size).
@@ -179,12 +177,11 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #   back at the end: one more step of K bytes at each end. (Run on four workers, traced and
 #   drawn after the cost model's code below.)
 #
-# In all but the parameter server a step is one message per link, so α is also the cost of a
-# message. The server's link takes N messages in each of its two steps; the table prices them
-# as if they went at once, for one α — the most favourable case for the server (one by one,
-# its two steps would cost 2Nα). The *critical path* is the chain of steps that must follow
-# one another: the time pays α per step and β per byte on it. The costs (`ring.cost`; its code
-# is folded below):
+# A step is one message per link, so α is a message's cost, except at the server: its link
+# takes N messages a step, priced at one α, as if they went at once at full rate, without
+# *incast* (N senders jamming one link) — the server's best case (one by one: 2Nα). The
+# *critical path* is the chain of steps that must follow one another: the time pays α per
+# step and β per byte on it. The costs (`ring.cost`; its code is folded below):
 #
 # | algorithm | steps (α terms) | bytes the time pays for (critical path) | busiest link, one direction | time |
 # |---|---|---|---|---|
@@ -221,11 +218,9 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # its bandwidth term is K·log N (the figure's "binomial tree (unpipelined)": its message is not
 # *pipelined*, cut into segments that travel one behind another, §4 — the textbook's slowest variant;
 # NCCL's tree pipelines, folded below). So, in the
-# model, among the five: a ring for big gradients; for small messages a tree, if no extra
-# machine is allowed (the server, next, can be cheaper still); Rabenseifner's at least as cheap
-# as both when N is a power of two (all checked below). The parameter server has the fewest steps (if its link
-# takes N messages at once), but one server's link carries NK bytes each way, growing with
-# every worker. Real ones shard: TF's `ParameterServerStrategy` puts whole variables on its S
+# model, among the five: a ring for big gradients; for small messages a tree (or the server,
+# if N pushes cost one α); Rabenseifner's at least as cheap as both when N is a power of two
+# (all checked below). One server's link carries NK bytes each way, growing with every worker. Real ones shard: TF's `ParameterServerStrategy` puts whole variables on its S
 # servers round robin (splitting one only with a `variable_partitioner`), so about NK/S per
 # link when the variables are many and alike; with a shard on every worker, each sends K/N to
 # each of the N − 1 others twice: 2(N−1)K/N, the ring's bytes (arithmetic). With an
@@ -334,8 +329,8 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
          f"log scale): for big messages the ring's time levels off in N (its bandwidth term "
          f"stays under 2Kβ), while the naive way and the server grow. In the "
          f"right panel, for 1 KB at N = 8 {NAMES[best8]} is the cheapest "
-         f"({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, if its one link takes N messages at "
-         f"once); without a server, {NAMES[best8_serverless]} "
+         f"({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, only if its one link takes N pushes "
+         f"for one α: no incast); without a server, {NAMES[best8_serverless]} "
          f"({ring.cost(best8_serverless, 8, 1e3, 0, 0).steps} steps).")
 
 # %% [markdown]
@@ -557,7 +552,7 @@ upto_wide = ring.ring_cheapest_up_to(k_resnet50, 10e-6, 1 / 32e9, n_max=5000, al
 def beats_the_ring(upto, nbytes):
     """Who is cheapest right after the ring stops, with the server's assumption if it is the server."""
     alg = ring.cheapest(upto.n + 1, nbytes, 10e-6, 1 / 32e9, algorithms=four)
-    return NAMES[alg] + (" (if its one link takes N messages at once)"
+    return NAMES[alg] + (" (only if its link takes N pushes for one α: no incast)"
                          if alg == "parameter-server" else "")
 
 
@@ -566,6 +561,9 @@ print(f"α = 10 µs, PCIe, of the first four: the ring is the cheapest for K = 1
       f"cheaper); for K = 102 MB up to N = {upto_big}; searched up to N = {upto_wide.n_max}, "
       f"up to N = {upto_wide} (from N = {upto_wide.n + 1} "
       f"{beats_the_ring(upto_wide, k_resnet50)} is cheaper)")
+print("pushes priced one by one (2Nα + 2NKβ > the naive way's 2(N−1)(α + Kβ)), the server never "
+      "wins: for 100 kB the ring is the cheapest up to N = " + str(ring.ring_cheapest_up_to(
+          1e5, 10e-6, 1 / 32e9, n_max=128, algorithms=("naive", "ring", "tree"))))
 claim("searched up to 128, the answer for 102 MB is censored (the ring still wins at 128); "
       "searched up to 5000 it is not",
       upto_big.censored and upto_big.n == 128 and not upto_wide.censored and upto_wide.n > 128,
@@ -722,13 +720,13 @@ claim("non-blocking: after wait(), each rank's irecv buffer holds the other rank
 # The library's ring is also pipelined: it cuts each chunk larger than its segment size (4 MiB
 # by default) into segments, so that the wire and the additions work at the same time. This
 # lesson's chunks are no larger, and travel whole, except the 16 MiB tensor's on 2 ranks (two
-# segments); gloo always cuts a chunk into at least two segments (§3). So below, an
-# unpipelined ring meets a pipelined one. Which messages the library's ring keeps in flight,
-# and when, is lab 06's stretch; its answer is in the same fold.
+# segments); gloo always cuts a chunk into at least two segments (§3). Which messages the
+# library's ring keeps in flight, and when, is lab 06's stretch; its answer is in the same fold.
 #
-# Is it right? Compare it with `dist.all_reduce` on random shapes and dtypes, on 2 and 4 ranks.
-# These claims, the training and the timings below run the library's ring, folded because it is
-# the lab's answer; the lab's checks hold your own ring to the same sums:
+# Is it right? Compare it with `dist.all_reduce` on random shapes and dtypes, on 2 and 4 ranks,
+# whole chunks and chunks cut into small segments. These claims, the training and the timings
+# below run the library's ring, folded (the lab's answer); the lab's checks hold your ring to
+# the same sums:
 
 # %%
 def compare_with_all_reduce(rank, world_size, trials):
@@ -744,24 +742,26 @@ def compare_with_all_reduce(rank, world_size, trials):
                                                     generator=g))
         dtype = dtypes[i % len(dtypes)]
         x = (torch.randn(shape, generator=values) * 100).to(dtype)
-        mine, builtin = x.clone(), x.clone()
-        ring.ring_allreduce(mine)
+        builtin = x.clone()
         dist.all_reduce(builtin)
-        if dtype.is_floating_point:
-            # A different order of N additions: equal up to a few roundings of that dtype.
-            tol = 4 * world_size * torch.finfo(dtype).eps * float(x.abs().max().double())
-            same.append(torch.allclose(mine.double(), builtin.double(), rtol=0, atol=tol))
-        else:
-            same.append(torch.equal(mine, builtin))  # integers: exactly equal
+        # Segments of 4 MiB (default: 1 a chunk here), then a third of a rank's bytes (2 or more)
+        for seg in (4 << 20, max(1, x.numel() * x.element_size() // (3 * world_size))):
+            mine = ring.ring_allreduce(x.clone(), segment_bytes=seg)
+            if dtype.is_floating_point:
+                # A different order of N additions: equal up to a few roundings of that dtype.
+                tol = 4 * world_size * torch.finfo(dtype).eps * float(x.abs().max().double())
+                same.append(torch.allclose(mine.double(), builtin.double(), rtol=0, atol=tol))
+            else:
+                same.append(torch.equal(mine, builtin))  # integers: exactly equal
     return same
 
 
 for n in (2, 4):
     agree = launch.spawn(compare_with_all_reduce, n, 15, backend="gloo", timeout=120)
     print(f"{n} ranks: ring_allreduce == dist.all_reduce in "
-          f"{sum(map(sum, agree))} of {n * 15} rank-tensors")
-    claim(f"{n} ranks: the real ring equals dist.all_reduce on every tensor",
-          all(all(a) for a in agree))
+          f"{sum(map(sum, agree))} of {n * 30} rank-tensors × segment sizes")
+    claim(f"{n} ranks: the real ring equals dist.all_reduce on every tensor, whole chunks "
+          "(one segment) and cut into several segments", all(all(a) for a in agree))
 
 # %% [markdown]
 # ### Training with it: the same weights as DDP

@@ -9,10 +9,10 @@
 #   all-reduce the moment each gradient is ready, and prove it equals DDP;
 # - group gradients into buckets, one flat buffer and one all-reduce each, and say why they
 #   are filled in the order the gradients arrive;
-# - record and read a timeline of communication overlapping the backward, predict the step
-#   time from a model of overlap (forward, backward per layer, lesson 06's α-β cost), test it
-#   where overlap shows (a simulated wire that takes no CPU), and read what gloo on a CPU
-#   shows at every bucket size;
+# - record and read a timeline of communication overlapping the backward, build a model of
+#   overlap (forward, backward per layer, lesson 06's α-β cost) that predicts the step time,
+#   test it against a simulated wire that takes no CPU, and against gloo on a CPU at every
+#   bucket size, saying where it fails there and why (gloo shares the backward's cores);
 # - count the bytes DDP's communication hooks send (fp16, bf16, PowerSGD) and what they cost
 #   in accuracy.
 #
@@ -1097,11 +1097,13 @@ print(f"Asynchrony alone: blocking all-reduces one at a time after the backward 
 print(f"Our bucketed class against DDP (one bucket each): "
       f"{verdict(by[('bucketed', 25)], by[('ddp', 25)])}.")
 viz.show(viz.step_time_bars_figure(labels, [r["step_s"] for r in four],
-                                   f"one training step, {world_size} ranks, {backend}"),
-         "the same gradients synchronised five ways, timed in one run: compare the per-"
-         "parameter hooks with their control below (same messages; in the code, when they "
-         "are launched is the only difference), and our bucketed class with DDP's C++ reducer "
-         "(same single bucket). A gap between bars is no verdict: see the sign tests above.")
+                                   f"one training step, {world_size} ranks, {backend}",
+                                   rounds=[r["steps_s"]["step"] for r in four]),
+         "the same gradients synchronised five ways, timed in one run, each round a dot: "
+         "compare the per-parameter hooks with their control below (same messages; in the code, "
+         "when they are launched is the only difference), and our bucketed class with DDP's C++ "
+         "reducer (same single bucket). A gap between bars is no verdict: see the sign tests "
+         "above.")
 
 # %% [markdown]
 # At a 25 MiB cap this model makes **one** bucket, with our rule and in DDP alike (the
@@ -1241,7 +1243,7 @@ viz.show_code(experiments.comm_hook_worker)
 # %% [markdown]
 # We count the bytes with the course's one recorder, `collectives.record_collectives`: inside
 # the block each `torch.distributed` function is
-# a wrapper that notes the call and its bytes (`collectives._size`: `numel() *
+# a wrapper that notes the call and its bytes (`collectives.size_of`: `numel() *
 # element_size()`), then calls the real one (`Recorder.run`, which also logs it), put back
 # afterwards.
 # A comm hook calls `dist.all_reduce`, so it is seen; DDP's built-in all-reduce runs in C++ and

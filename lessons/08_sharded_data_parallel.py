@@ -515,15 +515,18 @@ viz.show(viz.zero_memory_figure(memory),
 # %% [markdown]
 # Traffic, by section 3's volume (an all-reduce counts twice: it *is* a reduce-scatter plus
 # an all-gather); on a ring a rank sends (N−1)/N of that volume — a model of the ring, not
-# what gloo's own algorithms send. Each step is recorded with lesson 07's
-# `collectives.record_collectives`, which notes for every call the bytes it passes in and the
-# bytes it writes into; `summarize_traffic` takes each call's whole buffer and weighs one
-# step's calls with `zero.RING_WEIGHT`. DDP's own all-reduce runs in C++, past the recorder:
+# what gloo's own algorithms send. Lesson 07's `collectives.record_collectives` (core folded
+# below) notes each call's bytes in and bytes written; `summarize_traffic` weighs one step's
+# whole buffers with `zero.RING_WEIGHT`. DDP's own all-reduce runs in C++, past the recorder:
 # that is why `prepare_run` gives torch DDP a comm hook.
 
 # %%
 print("weights:", zero.RING_WEIGHT)
 viz.show_code(zero.summarize_traffic, zero.traffic_per_step)
+from dpcourse import collectives
+table = "RECORDED = {" + inspect.getsource(collectives).split("RECORDED = {")[1].split("\n}")[0] + "\n}"
+viz.show_code(collectives.Recorder.wrap, collectives.describe, collectives.size_of, table,
+              folded="▶ code: the recorder's core (where each call's op, nbytes, out_nbytes come from)")
 
 # %%
 volume = {n: {s: counted[n][0][s]["traffic"][-1]["volume"] for s in stages} for n in sweep}
@@ -591,14 +594,13 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 # With fewer tokens per GPU per micro-batch, part of ZeRO-3's traffic stays on the critical
 # path however well it is scheduled (a bound from bandwidth alone: latency only raises it);
 # with bf16 weights gathered but fp32 gradients reduced (FSDP2 as section 6 runs it), the
-# backward needs 1.5× as many tokens; all in fp32, twice as many.
+# backward needs 1.5× as many tokens; all messages in fp32, twice as many, if the matmuls keep
+# bf16 speed.
 #
 # Note what does not shrink with N in ZeRO-3: a rank's working set. While a layer's backward
-# computes, its full weights (gathered whole, section 4) and its full gradient (weighed in
-# section 5 at every N) are both alive (and, with prefetching —
-# gathering the next layer's weights while this one computes, section 6 — the next layer's
-# full weights). Once its gradients are complete the weights go before the
-# reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
+# computes, its full weights and its full gradient (weighed in section 5 at every N) are both
+# alive, and with prefetching (section 6) the next layer's full weights too. Once its
+# gradients are complete the weights go before the reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
 # So where the reduce-scatter overlaps the next layer's backward (FSDP2's aim on a GPU), the
 # working set is one or two blocks' weights and gradients plus whatever the reduce-scatters
 # in flight keep alive, on top of 16Ψ/N.
@@ -612,21 +614,19 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 #
 # A layer's gradient is held twice in memory for a moment: like `flatten_padded` in section 3,
 # `foreach_reduce` copies the gradients into a padded full-size buffer, the reduce-scatter's
-# input, before it drops them (`_fsdp_collectives.py`). That buffer does not go
-# when its reduce-scatter ends: `post_backward` keeps it in `comm_ctx.reduce_scatter_states`
-# (`_fsdp_param_group.py`) until the *next* group's `post_backward`, which makes the
-# compute stream wait for that reduce-scatter, then drops it before reducing its own
-# (one buffer may stay by default, `FSDPModule.set_reduce_scatter_max_input_buffers` sets how
-# many; only a `fully_shard` call's last group drops kept buffers, and here each call makes one
-# group), or, for
-# the last group, until the root's end-of-backward callback (the *root*, section 6: the
-# outermost sharded module, which queues a function for the end of the whole backward;
-# `_root_post_backward_final_callback`), which
-# does so only on the last backward of a step (`is_last_backward`, True unless
-# `set_is_last_backward(False)` says more micro-batches follow — section 6's accumulation
-# leaves it True, so every micro-batch's backward drops them; set False, the last group's
-# buffer waits for the next backward's first `post_backward`). The next layer's backward sets its lifetime, whatever the collective's
-# progress.
+# input, before it drops them (`_fsdp_collectives.py`). That buffer outlives its
+# reduce-scatter: `post_backward` keeps it in `comm_ctx.reduce_scatter_states`
+# (`_fsdp_param_group.py`). The *next* group's `post_backward` makes the compute stream wait
+# for that reduce-scatter, then drops the buffer before reducing its own. One buffer may stay
+# by default (`FSDPModule.set_reduce_scatter_max_input_buffers` sets how many). Only a
+# `fully_shard` call's last group drops kept buffers; here each call makes one group. The last
+# group's buffer waits for the root's end-of-backward callback,
+# `_root_post_backward_final_callback` (the *root*, section 6: the outermost sharded module).
+# It drops them only on a step's last backward: `is_last_backward` is True unless
+# `set_is_last_backward(False)` says more micro-batches follow. Section 6's accumulation
+# leaves it True; set False, the last group's buffer waits for the next backward's first
+# `post_backward`. So the next layer's backward sets a buffer's lifetime, whatever the
+# collective's progress.
 #
 # </details>
 #
@@ -665,11 +665,11 @@ claim("FSDP2's post_backward drops the earlier groups' reduce-scatter inputs (af
 # spread over a mesh: each rank holds a local tensor (`to_local()`), and the DTensor's
 # *placements*, one per mesh dimension, say how the pieces make the whole — `Shard(dim=0)`: cut
 # along dimension 0, rank r holding chunk r; `Replicate()`: a full copy on every rank.
-# `fully_shard` places each parameter here as `Shard(dim=0)`: it does so when its
-# `shard_placement_fn` is left at None (a function given there may pick another dimension) and
-# the parameter is a plain tensor, as here; one that tensor parallelism has already cut along
-# dimension 0 (a DTensor, lesson 11, §4) gets `_StridedShard(dim=0, …)` on the data-parallel
-# dimension instead (`_fsdp_param.py`, `FSDPParam._init_sharded_param` and
+# `fully_shard` places each parameter here as `Shard(dim=0)`, as its `shard_placement_fn` is
+# left at None (a function there may pick another dimension) and the parameter is a plain
+# tensor; one that tensor parallelism has already cut along
+# the dimension FSDP shards (a DTensor, lesson 11, §4) gets a `_StridedShard` placement on the
+# data-parallel dimension instead (`_fsdp_param.py`, `FSDPParam._init_sharded_param` and
 # `_init_sharding_spec_tp`). Applied to each layer and then to
 # the *root* (the outermost module, here the whole MLP), it makes each layer a parameter group
 # of its own (a unit, gathered on its own), as in our `Zero3`. The worker below shards the
@@ -851,7 +851,8 @@ claim("FSDP2's post_backward saves the gradients, frees the full weights (reshar
 # (*explicit*). In the backward each group by default issues the next group's all-gather
 # before computing its own gradients. Reduce-scatters get a stream of their own. On a CPU,
 # `torch.cpu.Stream`'s methods do nothing and gloo returns from a collective only when it is
-# done: every FSDP2 run here ran one collective after another, as our `Zero3` does.
+# done: so, by the source (not timed here), every FSDP2 run ran one collective after another,
+# like our `Zero3`.
 #
 # Both counts assume one forward and one backward per optimizer step. With gradient
 # accumulation over k micro-batches, FSDP2 left at its defaults gathers every non-root unit
@@ -905,7 +906,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same; autocast's weight casts add ~2 B from forward to backward) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
 # | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (4 weights + 4 gradients + 4 for DDP's buckets + Adam's 8/N; the run above weighs only the optimizer state), 8 + 8/N B with `gradient_as_bucket_view=True`; roughly, as whole parameters are per rank | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
-# | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ (ours reduce-scatters in `step()`, so also with k accumulation micro-batches); (k+1)Ψ at k for one that reduce-scatters during each backward and keeps only its shard | more memory freed, no extra traffic without accumulation — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
+# | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ (ours reduce-scatters in `step()`, so also with k accumulation micro-batches); (k+1)Ψ at k (derived, not run) for one that reduce-scatters during each backward and keeps only its shard | more memory freed, no extra traffic without accumulation — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
 # | ZeRO-3 / FSDP | 16/N B + the working set | 16/N B + the working set | 3Ψ with one forward and one backward per step and nothing tied across units (less: FSDP2's root is gathered once; more: k accumulation micro-batches gather about 2k times, tied layers) | the weights themselves do not fit: model state falls with every GPU added, the working set (one or two units' full weights and gradient) does not |
 # | + tensor / pipeline parallel | | | | one layer's activations or weights exceed a GPU, or N is so large that communication dominates — a rank sends about 3Ψ per step whatever N, while its share of a fixed global batch, and so its compute, falls as 1/N: split the model itself (Megatron-LM, the Ultra-Scale Playbook) |
 #
@@ -944,7 +945,7 @@ claim(f"a 13-B model on 8 \"40-GB\" A100s (40 GiB = {40 * gib / gb:.1f} GB each;
 # - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
 #   same traffic when gradients and weights travel in one dtype and each step has one
 #   backward (a ZeRO-2 that reduce-scatters during each backward, keeping only its shard,
-#   sends (k+1)Ψ at k accumulation micro-batches; DDP under `no_sync()` and ours, 2Ψ). ZeRO-3 gathers the weights
+#   sends (k+1)Ψ at k accumulation micro-batches — derived, not run; DDP under `no_sync()` and ours, 2Ψ). ZeRO-3 gathers the weights
 #   twice (forward and backward): 1.5× then, with one backward per step and nothing tied
 #   across units — more with a tied layer (measured) or gradient accumulation, less where
 #   FSDP2 keeps its root gathered. With bf16 weights and fp32 gradients the ratios become

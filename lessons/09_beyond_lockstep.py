@@ -11,8 +11,8 @@
 #   node;
 # - explain what asynchronous training buys (no waiting for stragglers: timed here against
 #   the synchronous server, with a simulated straggler) and what it costs (stale gradients), and
-#   measure when staleness makes training diverge and how a smaller or staleness-aware step
-#   rescues it;
+#   measure when staleness makes training diverge (here: end above its starting loss) and
+#   how a smaller or staleness-aware step rescues it;
 # - use local SGD to divide communication by H, measure how far the replicas drift between
 #   averages, and say what it cost here, in test loss and in accuracy;
 # - apply the linear scaling rule and warmup to a larger global batch, and read the result
@@ -74,23 +74,26 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 # (`MPI_Allreduce`; Agarwal et al. 2011 trained linear models with one): one process holds
 # the weights; each worker **pulls** them,
 # computes a gradient on its part of the batch and **pushes** it back; the server steps.
-# Lesson 02's `nn.DataParallel` is a parameter server inside one machine: the weights and the
-# optimizer step live on device 0. Each step it scatters the batch to the GPUs, broadcasts the
-# weights from device 0, gathers the outputs there (`output_device` defaults to
-# `device_ids[0]`) and sums the gradients there for the one optimizer step: with NCCL's reduce
-# when NCCL is available (`comm.reduce_add`), else by copying each GPU's gradient to device 0
-# and adding.
+# Lesson 02's `nn.DataParallel` is a parameter server inside one machine: each step it
+# broadcasts the weights from device 0 (`device_ids[0]`), gathers the outputs there and sums
+# the gradients there (`comm.reduce_add`) for the one optimizer step.
 #
-# We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers.
-# A production server would use `torch.distributed.rpc` (remote calls between processes), or
-# another framework's own, such as TensorFlow's `ParameterServerStrategy` (each worker and
-# parameter server runs a `tf.distribute.Server`, a server task only `join()`s; a coordinator
-# dispatches `tf.function`s to the workers, which update the variables on the servers):
-# asynchronous by default, variables round-robin over the servers (sharded if given a partitioner), a
-# preempted worker's function requeued. We use `dist.send` / `dist.recv`: one flat tensor per
-# message, and a wrapper counts every byte; rpc would hide it. The asynchronous server
-# receives from whichever worker is done first (`recv` with no source), which torch's NCCL
-# backend lists as unsupported (NCCL's `ncclRecv` names its peer): so these launches use gloo.
+# We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers,
+# with `dist.send` / `dist.recv`: one flat tensor per message, and a wrapper counts every
+# byte (`torch.distributed.rpc`, remote calls between processes, would hide them). The
+# asynchronous server receives from whichever worker is done first (`recv` with no source),
+# which torch's NCCL backend does not support: so these launches use gloo.
+
+# %% [markdown]
+# <details><summary>▶ TensorFlow's ParameterServerStrategy, from its source</summary>
+#
+# Each worker and parameter server runs a `tf.distribute.Server`; a server task only
+# `join()`s. A *coordinator* process (not a worker) creates the variables and sends
+# `tf.function`s to the workers, which read and update the variables on the servers:
+# asynchronous by default. Variables go round-robin over the servers; a *partitioner*
+# (optional) cuts one variable into shards. A failed worker's function is requeued.
+#
+# </details>
 
 # %%
 viz.show_code(parameter_server.CountingLink, parameter_server.ps_sync_server, parameter_server.ps_sync_worker)
@@ -201,14 +204,15 @@ viz.show_code(ring.ring_bytes_per_worker, inspect.getsource(ring.chunk_bounds),
 # %%
 viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
                                    for n, r in ps.items()}),
-         "Sent + received per step, like for like: the server's load grows as 2NK, a "
-         "straight line; a ring rank's stays under 4K whatever N. Their ratio is N²/(2(N−1)).")
+         "Sent + received per step: dots counted at our server (N = 2, 3); lines the formulas "
+         "2NK (server) and 4(N−1)K/N (ring rank, under 4K whatever N), drawn for N = 2..16.")
 
 # %% [markdown]
 # **Asynchronous mode** drops the wait: the server applies each gradient the moment it
 # arrives and sends the new weights back to that worker alone. No worker waits for the slowest
 # (here the last one sleeps a little per gradient, a straggler), only for its own round trip
-# to the server. The price: while a
+# to the server, which includes waiting behind other workers' pushes: the server takes one
+# at a time, so with many fast workers that queue grows with N. The price: while a
 # worker computed, others pushed, so its gradient was computed on weights that are now
 # several updates old — it is **stale**. Each message carries the version of the weights
 # (the number of updates so far), so the server can count the staleness of every update.
@@ -274,8 +278,10 @@ wait_ms = [1e3 * (b - a) for kind, a, b in fast if kind == "wait"][1:]  # after 
 wait_med, wait_mean = statistics.median(wait_ms), statistics.mean(wait_ms)
 long_ms = [x for x in wait_ms if x > 10 * wait_med]                      # the stalls
 print(f"Asynchronous removed the wait for the straggler, not the round trip: the fast worker "
-      f"still waited {waited['async'][1]:.0%} of its time, {wait_med:.2f} ms from each push to "
-      f"the server's answer against {statistics.median(compute_ms):.1f} ms computing (medians)")
+      f"still waited {waited['async'][1]:.0%} of its time, {wait_mean:.1f} ms from each push to "
+      f"the server's answer against {statistics.mean(compute_ms):.1f} ms computing (means; "
+      f"median wait {wait_med:.2f} ms). A wait holds the round trip and any time the server or "
+      f"this worker was not running, on {os.cpu_count()} cores shared by 3 processes and this notebook")
 slow_ms = statistics.median(1e3 * (b - a) for k, a, b in race[2]["async"]["spans"] if k == "compute")
 claim(f"the straggler computed a gradient in {slow_ms:.1f} ms (median), then slept "
       f"{1e3 * race_cfg.straggler_delay:g} ms: its sleep, not its computing, makes it slow",
@@ -290,9 +296,11 @@ updates = {"sync": applied["sync"] // (len(race) - 1), "async": applied["async"]
 print(f"Where the gain comes from: asynchronous applied the fast worker's {n_fast} gradients and "
       f"the straggler's {n_slow}; synchronous 2 per round for {rounds} rounds, each waiting for the "
       f"straggler: about (n_fast/n_slow + 1)/2 = {(n_fast / n_slow + 1) / 2:.2f}×")
+stale = race[0]["async"]["staleness"]
+claim(f"async, the largest staleness was {max(stale)} updates: over 2, with 2 workers",
+      max(stale) > 2, stale_mean=sum(stale) / len(stale))
 with viz.folded_output("▶ more of this run: staleness, the waits' spread, the gain's accounting, "
                        "the losses"):
-    stale = race[0]["async"]["staleness"]
     print(f"async staleness: mean {sum(stale) / len(stale):.1f}, largest {max(stale)}")
     print(f"the fast worker's waits: {wait_mean:.1f} ms on average, {max(wait_ms):.0f} ms at "
           f"most; the {len(long_ms)} over 10× the median hold {sum(long_ms) / sum(wait_ms):.0%} "
@@ -351,7 +359,7 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # (n_fast/n_slow + 1)/2): one twice as slow would give about (2 + 1)/2 = 1.5×.
 #
 # More gradients per second, but not free ones: the straggler's gradients arrive many updates
-# stale (the largest staleness above). The losses above compare more gradients *and* more
+# stale (the largest staleness, claimed above). The losses above compare more gradients *and* more
 # steps of the same lr, not gradients alone (like for like would scale the lr; not run here);
 # at a larger step, staleness can make training
 # diverge — the question the rest of this section answers. The fast worker's
@@ -406,9 +414,9 @@ claim(f"τ = 0 is synchronous SGD exactly: the same weights after {sim_steps} st
 # gradients. One run is one draw: the starting weights and the batch order come from a seed,
 # and a run near the edge of divergence can end on either side of it. So the sweep runs every
 # cell with several seeds (`sweep_seeds`; each seed its own weights and batch order) and
-# counts how many diverged. **Diverged** here means *ended above the loss it started from*: it
-# counts a run that spiked late as well as one that grew without bound (the explorer below
-# lets you look for each). The first table prints the losses of one seed, the second the
+# counts how many diverged. **Diverged** here, broader than the usual sense, means *ended
+# above the loss it started from*: a run that spiked late as well as one that grew without
+# bound (the explorer below lets you look for each). The first table prints the losses of one seed, the second the
 # count. (The staleness-aware step is lab 09's stretch: its runs come after the lab pointer.)
 
 # %%
@@ -914,7 +922,8 @@ viz.quiz(quizzes.questions("09"))
 #   `ParameterServerStrategyV2`: "By default, workers read and update these variables
 #   independently without synchronizing with each other" (asynchronous training), "Each
 #   worker and parameter server runs a `tf.distribute.Server`" with a coordinator (not torch's
-#   rpc), and a "worker" or "ps" task's example code ends in `server.join()`, "waiting for
+#   rpc; "the coordinator is not one of the training workers", it "creates resources such as
+#   variables"), and a "worker" or "ps" task's example code ends in `server.join()`, "waiting for
 #   coordinator's requests"; a worker executes the dispatched `tf.function` "by reading the
 #   variables from parameter servers, executing the ops, and updating the variables on the
 #   parameter servers"; the "placed on parameter servers in a round-robin manner" ("Default placement is

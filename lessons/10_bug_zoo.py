@@ -68,6 +68,7 @@ print(str(symptom).split(". ")[0] + ".")
 claim("run plainly, bug 1 only times out, naming the rank that never finished, not its call "
       "or line",
       symptom.pending == [0] and "all_reduce" not in str(symptom) and ".py" not in str(symptom))
+viz.show_code(launch.LaunchTimeoutError, folded="▶ launch.LaunchTimeoutError: its whole message")
 
 # %% [markdown]
 # A rank's own error says little when the bug is that the ranks disagree. PyTorch's
@@ -495,10 +496,10 @@ claim("libtorch_cpu.so (FlightRecorder.cpp's DebugInfoWriter) holds TORCH_FR_DUM
 # is alive but elsewhere — busy, in another collective (bug 2), in a loop that went on to
 # evaluation — leaves a gloo rank waiting until the group's timeout. But a script's rank that
 # leaves the loop usually reaches the end of the program and **exits**: its connections close,
-# and a gloo rank waiting on it fails as soon as that process is gone, with gloo's "Connection
-# closed by peer". Bug 3 once more, as two plain Python processes (no `spawn`), each running
-# `init_process_group` (timeout 60 s), `bugzoo.early_stop` and then the end of its program
-# (**▶ folded**: the script and the two processes):
+# and a gloo rank waiting on it fails within seconds, long before the timeout, with gloo's
+# "Connection closed by peer". Bug 3 once more, as two plain Python processes (no `spawn`),
+# each running `init_process_group` (timeout 60 s), `bugzoo.early_stop` and then the end of
+# its program (**▶ folded**: the script and the two processes):
 
 # %% jupyter={"source_hidden": true}
 exit_script = """
@@ -534,13 +535,13 @@ claim("rank 1 left the loop and its program ended; rank 0, waiting in the next a
 
 # %% [markdown]
 # So on gloo, on one machine, a hang means that every rank's process is still running: a rank
-# whose process exits makes its peers fail fast, each with an error that says only that the peer
-# left (the bug is still to be found in the rank that left: it made fewer calls). That takes the
-# exited rank's operating system closing its connections: gloo raises "Connection closed by
-# peer" when a read finds the end of the stream. A node that loses power or its network (lesson
-# 04 runs several nodes) closes nothing: its peers wait out the timeout. This machine has no
-# GPU, so what NCCL does when a peer's process exits is not measured here; the bound the course
-# can state for NCCL is the watchdog's timeout (the figure above).
+# whose process exits makes its peers fail within seconds, each with an error that says only
+# that the peer left (the bug is still to be found in the rank that left: it made fewer
+# calls). That takes the exited rank's operating system closing its connections: gloo raises
+# "Connection closed by peer" when a read finds the end of the stream. A node that loses power
+# or its network (lesson 04 runs several nodes) closes nothing: its peers wait out the timeout.
+# This machine has no GPU, so what NCCL does when a peer's process exits is not measured here;
+# the bound the course can state for NCCL is the watchdog's timeout (the figure above).
 
 # %% [markdown]
 # ## 3. Bugs that finish — with the wrong answer

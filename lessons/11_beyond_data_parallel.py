@@ -444,7 +444,8 @@ viz.show_code(tensor_parallel.CopyToTensorParallel, tensor_parallel.ReduceFromTe
 # forward and backward on the same input, and compares. Then the same with torch:
 # `parallelize_module` with `ColwiseParallel` for the first layer and `RowwiseParallel` for
 # the second, on a one-dimensional `DeviceMesh` (the ranks arranged as a named grid; here a line). Every
-# collective is recorded with `dpcourse.collectives.record_collectives`; torch's also by
+# collective is recorded with `dpcourse.collectives.record_collectives` (its core: lesson 08,
+# §5's fold); torch's also by
 # its own counter, `CommDebugMode`. The worker's code names the dimension of every slice it
 # compares — lab 11's part 3 — so it is folded:
 
@@ -766,7 +767,8 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
 # still sit idle while the pipeline fills and drains: with equal stage times a step lasts
 # M + K − 1 slots of which each stage works M, an idle share — the **bubble** — of (K − 1)/(M + K − 1).
 # (Megatron-LM and the Ultra-Scale Playbook quote the idle time over the work instead,
-# (p − 1)/m with p = K stages and m = M micro-batches; section 5 uses both.)
+# (p − 1)/m with p = K stages and m = M micro-batches: the **idle-to-work ratio**, which
+# section 5 prints beside the bubble.)
 #
 # **▶ How the M micro-batches' gradients become the whole batch's — open after lab 11's
 # part 6 passes** (the optional stretch asks for this: if you do the stretch, open it after).
@@ -788,7 +790,9 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
 # (forward of micro-batch i) and B i (backward). **GPipe** runs every forward, then every
 # backward. **1F1B** (one forward, one backward: PipeDream, Narayanan et al., SOSP 2019; its
 # synchronous, flushed form, *PipeDream-Flush*, Narayanan et al., ICML 2021, is the schedule
-# Megatron-LM runs) starts the backwards as early as possible: the same actions and — with
+# Megatron-LM runs without virtual stages; with v of them per rank, the interleaved schedule of
+# Narayanan et al., SC 2021, §2.2.2, cuts the idle-to-work ratio from (K − 1)/M to
+# (K − 1)/(v·M)) starts the backwards as early as possible: the same actions and — with
 # equal stage times and free messages — the same bubble, but stage k holds at most
 # min(K − k, M) micro-batches' activations instead of M. Stages are numbered from 0 here,
 # k = 0, …, K − 1, as ranks are: the first stage holds min(K, M). The papers number them from
@@ -1171,7 +1175,8 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 # ## 5. A planner
 # Which sizes, then, for a real model on a real cluster? `dpcourse.planner` tries every
 # tensor size t dividing a node's GPUs (no tensor-parallel group straddles two nodes), every
-# pipeline size p dividing the layers, and DDP, ZeRO-1 and ZeRO-3, with D = GPUs / (t·p)
+# pipeline size p (section 3's K; M stays the micro-batches per pipeline) dividing the layers,
+# and DDP, ZeRO-1 and ZeRO-3, with D = GPUs / (t·p)
 # replicas (d stays the model's width). For each it computes per GPU the model state, the
 # activations, each dimension's messages and bytes per step, and a step time: compute at an
 # assumed half of the peak,
@@ -1200,14 +1205,15 @@ viz.show_code(planner.Cluster, planner.within_nodes, planner.plan)
 viz.show_code(planner.plan_row, folded="▶ planner.plan_row — open after your lab passes")
 
 # %% [markdown]
-# **▶ `planner.TP_MESSAGES_PER_LAYER`, the tensor-parallel messages `plan_row` counts, checked
-# against section 2's run — open after your lab passes**.
+# **▶ `planner.TP_MESSAGES_PER_LAYER`, the tensor-parallel messages `plan_row` counts, held
+# against section 2's MLP — open after your lab passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 print("tensor-parallel collectives per layer and micro-batch:", planner.TP_MESSAGES_PER_LAYER)
-claim(f"a layer's attention and MLP each make what section 2's MLP made (forward "
-      f"{len(r0['forward'])}, backward {len(r0['backward'])}): "
-      f"{planner.TP_MESSAGES_PER_LAYER} per layer, and the forward's once more when recomputed",
+claim(f"the planner's per-layer count, {planner.TP_MESSAGES_PER_LAYER} (the forward's once "
+      f"more when recomputed), is twice what section 2's MLP made (forward "
+      f"{len(r0['forward'])}, backward {len(r0['backward'])}); no attention is built here: "
+      "that Megatron's attention has the same f/g pair is assumed, from Shoeybi et al. 2019, §3",
       planner.TP_MESSAGES_PER_LAYER == {"forward": 2 * len(r0["forward"]),
                                         "backward": 2 * len(r0["backward"])})
 
@@ -1239,14 +1245,15 @@ pub = planner.plan_row(model, cluster, published["tp"], published["pp"],
 claim(f"the paper's parameter count (its equation 2) gives {model.num_params / 1e9:.1f} B for "
       "this shape, as its Table 1 says", round(model.num_params / 1e9, 1) == 145.6)
 print(f"{len(options)} configurations fit on {cluster.gpus} GPUs. Fastest estimates:")
-print("    t   p    D    M  DP flavour  GB/GPU  s/step  TP msgs  TP GB  PP msgs  PP GB"
-      "  DP msgs  DP GB  (p−1)/M")
+print("    t   p    D    M  DP flavour  GB/GPU  s/step  PP msgs  PP GB  DP msgs  DP GB"
+      "  (p−1)/M")
 for r in options[:6] + [pub]:
     print(f"{r['tp']:5d} {r['pp']:3d} {r['dp']:4d} {r['micro_batches']:4d}  {r['stage']:>10}"
-          f"  {r['total_bytes'] / gb:6.1f}  {r['time_s']:6.1f}  {r['tp_messages']:7d}"
-          f" {r['tp_bytes'] / gb:6.0f}  {r['pp_messages']:7d} {r['pp_bytes'] / gb:6.1f}"
-          f"  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}  {r['idle_over_work']:7.3f}")
-print("(M: micro-batches per step per pipeline; messages and GB per GPU per step)")
+          f"  {r['total_bytes'] / gb:6.1f}  {r['time_s']:6.1f}  {r['pp_messages']:7d}"
+          f" {r['pp_bytes'] / gb:6.1f}  {r['dp_messages']:7d} {r['dp_bytes'] / gb:6.1f}"
+          f"  {r['idle_over_work']:7.3f}")
+print("(M: micro-batches per step per pipeline; messages and GB per GPU per step; the TP "
+      "columns are folded below)")
 print("(last row: the published configuration)")
 spread = options[5]["time_s"] / best["time_s"] - 1
 sg = min(options, key=lambda r: r["time_s"] - r["pp_bytes"] / r["pp_link"] * (1 - 1 / r["tp"]))
@@ -1268,7 +1275,7 @@ claim(f"no sequence parallelism in any row: a recomputed layer keeps its input, 
                        * 2 * model.seq_len * model.hidden
                        + planner.activation_bytes_per_layer(model, 1, r["tp"]))
           for r in options))
-claim(f"the last column is the pipeline's idle time over its working time, (p−1)/M: the step "
+claim(f"the last column is the pipeline's idle-to-work ratio, (p−1)/M: the step "
       f"lasts M + p − 1 slots for M of work, so the compute is stretched by 1 + (p−1)/M. "
       f"Section 3's bubble is the idle share of the step, (p−1)/(M+p−1): for the published "
       f"row 7/{pub['micro_batches']} = {pub['idle_over_work']:.3f} over work, "
@@ -1302,15 +1309,21 @@ claim(f"a tensor size that does not divide the node's {cluster.gpus_per_node} GP
       across["tp_link"] == cluster.inter_bw and across["time_s"] > 1.3 * pub["time_s"])
 
 # %% [markdown]
-# **▶ What the TP msgs column counts per layer — open after your lab passes**.
+# **▶ The ranking's TP msgs and TP GB columns, and what TP msgs counts per layer — open after
+# your lab passes**.
 
 # %% jupyter={"source_hidden": true}
 with viz.folded_output("▶ TP msgs per layer — open after your lab passes"):
+    print("    t   p    M  TP msgs  TP GB   (the ranking's rows, per GPU per step)")
+    for r in options[:6] + [pub]:
+        print(f"{r['tp']:5d} {r['pp']:3d} {r['micro_batches']:4d}  {r['tp_messages']:7d}"
+              f" {r['tp_bytes'] / gb:6.0f}")
     claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
           "tensor-parallel collectives per micro-batch (lab 11 counts them only for MLPs, in "
           "part 6 for two stacked ones; attention and recomputation are the planner's); the "
-          "folded cell above shows the 6 (planner.TP_MESSAGES_PER_LAYER, checked against "
-          "section 2's run), with which collectives they are and their split by pass",
+          "folded cell above shows the 6 (planner.TP_MESSAGES_PER_LAYER: twice section 2's "
+          "measured MLP, assuming attention has the same f/g pair, Shoeybi et al. 2019, §3), "
+          "with which collectives they are and their split by pass",
           all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
               for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))
 
@@ -1365,8 +1378,8 @@ viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
 # the tensor size follows from two of its assumptions, not from a measurement: `plan_row`
 # gives every row the same compute time, as if each rank's matmuls, t times smaller, ran at
 # the same efficiency, and it prices a tensor-parallel collective by its bytes alone, with no
-# fixed cost per call, though t > 1 makes thousands of them per GPU per step (TP msgs,
-# above). Were the efficiency to fall with t, or each collective to cost a latency, the large
+# fixed cost per call, though t > 1 makes thousands of them per GPU per step (TP msgs, in
+# the fold above). Were the efficiency to fall with t, or each collective to cost a latency, the large
 # t would pay for it, and only a measurement could rank them. Under those assumptions, small
 # t is slow not for want of memory (even
 # t = p = 1 fits GPT-3 as ZeRO-3, below) but because t·p·D = 1536: the GPUs that t does not
@@ -1600,7 +1613,8 @@ viz.quiz(quizzes.questions("11"))
 # Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*, SC 2021 (Table 1:
 # the 145.6-B row, t = 8, p = 8, 1536 GPUs, batch 2304, 148 teraFLOP/s per GPU; equation 3,
 # the flops of a step; Table 2, GPT-3 with PTD against ZeRO-3; the takeaways of section 3;
-# their schedule is PipeDream-Flush; section 4.1, the scatter/gather optimisation: each of a
+# their schedule is PipeDream-Flush, or, with virtual stages, the interleaved one of
+# section 2.2.2; section 4.1, the scatter/gather optimisation: each of a
 # stage's t GPUs sends 1/t of the activation to the next stage); Narayanan et al., *PipeDream: Generalized Pipeline
 # Parallelism for DNN Training*, SOSP 2019 (1F1B); Narayanan et al., *Memory-Efficient
 # Pipeline-Parallel DNN Training*, ICML 2021 (PipeDream-Flush, PipeDream-2BW); Korthikanti

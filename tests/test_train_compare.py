@@ -34,6 +34,14 @@ def test_pairs_cancel_a_slow_moment_shared_by_both():
 def test_unequal_counts_compare_ranges():
     assert compare_rates("a", [1, 2], "b", [4, 5, 6]).startswith("b was faster than a in every run")
     assert compare_rates("a", [1, 5], "b", [4, 5, 6]).startswith("no clear difference")
+    assert "their runs overlap" in compare_rates("a", [1, 5], "b", [4, 5, 6])
+
+
+def test_unclear_paired_sentence_names_the_rounds_rule():
+    s = compare_rates("a", [10] * 9, "b", [12] * 7 + [1, 1])
+    assert s.startswith("no clear difference between a and b: neither won enough rounds "
+                        "(at best 7 of 9;"), s
+    assert "sign test p = " in s and "overlap" not in s
 
 
 def test_needs_runs():

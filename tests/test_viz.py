@@ -340,7 +340,8 @@ def test_bucket_timelines_figure_draws_one_panel_per_iteration_up_to_the_backwar
     assert len(fig.axes) == 2
     assert fig.axes[-1].get_xlim()[1] == pytest.approx(12.0 * 1.02)
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
-    assert "+3 more" in labels[0] and "c.4.w" in labels[0]
+    assert labels[0] == "bucket 0, 2 KiB"      # index and size only: contents are lab 07's
+    assert not any("c.4.w" in label or "classifier" in label for label in labels)
     with pytest.raises(ValueError):
         viz.bucket_timelines_figure({})
 
@@ -625,3 +626,14 @@ def test_folded_output_keeps_printed_claims_behind_a_click(monkeypatch):
         raise RuntimeError("a failed claim")
     (bundle, _), = shown
     assert "before" in bundle["text/html"]
+
+
+def test_step_time_bars_show_every_round_beside_the_median():
+    names, rounds = ["a", "b"], [[0.10, 0.30, 0.20], [0.15, 0.25, 0.35]]
+    fig = viz.step_time_bars_figure(names, [0.20, 0.25], "t", rounds=rounds)
+    ax = fig.axes[0]
+    dots = [line for line in ax.get_lines() if line.get_marker() == "o"]
+    assert [sorted(line.get_xdata()) for line in dots] == [[100.0, 200.0, 300.0],
+                                                          [150.0, 250.0, 350.0]]
+    assert ax.get_xlim()[1] >= 350.0
+    assert not viz.step_time_bars_figure(names, [0.20, 0.25]).axes[0].get_lines()

@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Call", "CollectiveLog", "record_collectives", "Recorder", "describe", "RECORDED",
+__all__ = ["Call", "CollectiveLog", "record_collectives", "Recorder", "describe", "size_of", "RECORDED",
            "RECORDED_FUNCOL", "p2pop_unwrapping"]
 
 # Each recorded function: (the op it performs, the argument it reads, the argument it writes).
@@ -149,15 +149,17 @@ class CollectiveLog(list):
                          for op, n in self.count_by_op().items())
 
 
-def _size(value) -> tuple[int, int, torch.dtype | None]:
-    """(numel, nbytes, dtype) of a tensor, a (nested) list of tensors, or a picklable object."""
+def size_of(value) -> tuple[int, int, torch.dtype | None]:
+    """(numel, nbytes, dtype) of a tensor, a (nested) list of tensors, or a picklable object.
+
+    Shown in lesson 08, §5."""
     if value is None:
         return 0, 0, None
     if isinstance(value, torch.Tensor):
         return value.numel(), value.numel() * value.element_size(), value.dtype
     if isinstance(value, (list, tuple)) and all(
             isinstance(v, (torch.Tensor, list, tuple)) or v is None for v in value):
-        sizes = [_size(v) for v in value]
+        sizes = [size_of(v) for v in value]
         dtypes = [d for _, _, d in sizes if d is not None]
         return (sum(n for n, _, _ in sizes), sum(b for _, b, _ in sizes),
                 dtypes[0] if dtypes else None)
@@ -167,10 +169,10 @@ def _size(value) -> tuple[int, int, torch.dtype | None]:
 def describe(function: str, spec, arguments: dict) -> Call:
     """The :class:`Call` for ``function`` called with ``arguments``, read as ``spec`` says.
 
-    Shown in lesson 07, §5."""
+    Shown in lesson 07, §5; lesson 08, §5."""
     op, read, written = spec
-    numel, nbytes, dtype = _size(arguments.get(read)) if read else (0, 0, None)
-    out_numel, out_nbytes, out_dtype = _size(arguments.get(written)) if written else (0, 0, None)
+    numel, nbytes, dtype = size_of(arguments.get(read)) if read else (0, 0, None)
+    out_numel, out_nbytes, out_dtype = size_of(arguments.get(written)) if written else (0, 0, None)
     peer = None
     for name in _PEER.get(op, ()):
         if arguments.get(name) is not None:
@@ -224,7 +226,7 @@ class Recorder:
 
     def wrap(self, real, function: str, spec):
         """``real`` as a function that records each call, then makes it. Shown in lesson 04, §5;
-        lesson 07, §5."""
+        lesson 07, §5; lesson 08, §5."""
         signature = inspect.signature(real)
 
         @functools.wraps(real)
@@ -254,7 +256,7 @@ class Recorder:
             calls = []
             for p in p2p_op_list:
                 name = getattr(_real(getattr(p, "op", None)), "__name__", "?")
-                numel, nbytes, dtype = _size(getattr(p, "tensor", None))
+                numel, nbytes, dtype = size_of(getattr(p, "tensor", None))
                 sending = name == "isend"
                 calls.append(Call("batch_isend_irecv", "send" if sending else "recv",
                                   numel if sending else 0, nbytes if sending else 0, dtype,

@@ -118,6 +118,8 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
     ``pending`` lists the ranks that never finished (empty when torchrun timed out as a whole),
     ``finished`` those that returned: a rank still waiting after a peer has returned waits for a
     collective that peer will never call — a deadlock, not slowness.
+
+    Shown in lesson 10, §1.
     """
 
     def __init__(self, message: str, pending: Sequence[int] = (), timeout: float | None = None,

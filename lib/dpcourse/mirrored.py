@@ -93,8 +93,7 @@ def mirrored_cnn(strat, start=None, **build) -> keras.Model:
     created under ``strat``'s scope so that they are mirrored; with ``start`` (a torch
     ``SmallCNN``), that model's weights (:func:`copy_torch_weights`).
 
-    Lab 05 part 2's answer (where the model must be built). Shown in lesson 05, §"Lab 05: the
-    custom loop".
+    Lab 05 part 2's answer (where the model must be built). Shown in lesson 05, §5.
     """
     with strat.scope():
         model = build_keras_cnn(**build)
@@ -105,8 +104,7 @@ def optimizer_in(strat, rate: float, loss_scale: bool = False, build_for=None):
     variables (its step counter too) are mirrored; with ``loss_scale``, wrapped in a
     ``LossScaleOptimizer``; with ``build_for`` (variables), built for them.
 
-    Lab 05 part 2's answer (where the optimizer must be made). Shown in lesson 05, §"Lab 05: the
-    custom loop".
+    Lab 05 part 2's answer (where the optimizer must be made). Shown in lesson 05, §5.
     """
     with strat.scope():   # the optimizer's variables must be created under the strategy too
         opt = keras.optimizers.SGD(learning_rate=rate)
@@ -230,7 +228,7 @@ class count_cross_device_calls:  # noqa: N801 - a context manager, named for wha
     them back on exit. A ``tf.function`` runs these Python methods while it is traced, so count
     over a step's first call (its trace).
 
-    Shown in lesson 05, §"Lab 05: the custom loop".
+    Shown in lesson 05, §5.
     """
 
     def __init__(self):
@@ -272,7 +270,7 @@ class count_cross_device_calls:  # noqa: N801 - a context manager, named for wha
 def per_example_loss(labels, logits):
     """Cross-entropy of each example (no reduction), in float32.
 
-    Shown in lesson 05, §4.
+    Shown in lesson 05, §5.
     """
     return tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=tf.cast(labels, tf.int64), logits=tf.cast(logits, tf.float32))
@@ -288,7 +286,7 @@ def per_replica_loss(labels, logits, global_batch: int, loss_scaling: str = "glo
     ``"reduce_mean"`` (the classic bug): the mean over this replica's examples only. Summed over
     N replicas, that gradient is N times the gradient of the global mean.
 
-    Shown in lesson 05, §"Lab 05: the custom loop".
+    Shown in lesson 05, §5.
     """
     losses = per_example_loss(labels, logits)
     if loss_scaling == "global":
@@ -310,7 +308,7 @@ def keras_loss_per_replica(labels, logits, divide_by_replicas: bool = False):
     is divided by the number of replicas once more, as code does that scales a mean loss by
     hand.
 
-    Shown in lesson 05, §4.
+    Shown in lesson 05, §5.
     """
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits)
     if divide_by_replicas:
@@ -324,7 +322,7 @@ def train_step(strategy, model, optimizer, dist_batch, global_batch: int,
     global batch, the optimizer sums the gradients over replicas (an all-reduce) and applies
     the same update to every copy of the weights. Returns the mean loss over the global batch.
 
-    Shown in lesson 05, §"Lab 05: the custom loop".
+    Shown in lesson 05, §5.
     """
     def step_fn(x, y):
         with tf.GradientTape() as tape:
@@ -347,7 +345,7 @@ def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling:
     lazily during the traced function's first call. How ``optimizer`` itself is made is the
     caller's (lab 05 part 2).
 
-    Shown in lesson 05, §"Lab 05: the custom loop".
+    Shown in lesson 05, §5.
     """
     if not optimizer.built:
         # build() adds only per-weight state (none for plain SGD); the step counter and the
@@ -375,7 +373,7 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
     :func:`keras_loss_per_replica` (with ``divide_by_replicas=True``) instead of
     :func:`per_replica_loss`.
 
-    Shown in lesson 05, §4.
+    Shown in lesson 05, §5.
     """
     if grad_reduce not in ("sum", "mean"):
         raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
@@ -411,7 +409,7 @@ def mirrored_gradients(strategy, model, x, y, loss_scaling: str = "global",
 def single_replica_gradients(model, x, y) -> list[np.ndarray]:
     """The gradient of the mean loss over (``x``, ``y``) on one device, no strategy.
 
-    Shown in lesson 05, §4.
+    Shown in lesson 05, §5.
     """
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(per_example_loss(y, model(x, training=True)))
@@ -423,7 +421,7 @@ def train_steps(strategy, model, optimizer, dataset, steps: int, global_batch: i
     """Run ``steps`` steps of the custom loop over ``dataset`` (batched with ``global_batch``)
     and return the loss of each step. Pass ``strategy=None`` for one device, no strategy.
 
-    Shown in lesson 05, §"Lab 05: the custom loop".
+    Shown in lesson 05, §5.
     """
     if strategy is None:
         strategy = tf.distribute.get_strategy()  # the default: one device, a no-op strategy
@@ -455,7 +453,7 @@ def fit(strategy, train_ds, epochs: int = 1, lr: float = 0.05, model: keras.Mode
     the optimizer in a ``LossScaleOptimizer`` (float16 gradients underflow otherwise); bfloat16
     needs no scaling.
 
-    Shown in lesson 05, §5.
+    Shown in lesson 05, §6.
     """
     with strategy.scope():
         if model is None:
@@ -487,7 +485,7 @@ def save_checkpoint(directory: str | Path, model: keras.Model, optimizer=None, s
     Under a strategy this saves one copy of each mirrored variable (they are equal), so the
     checkpoint restores under any strategy or none: the number of replicas is not in it.
 
-    Shown in lesson 05, §7.
+    Shown in lesson 05, §8.
     """
     ckpt = tf.train.Checkpoint(model=model, step=tf.Variable(step, dtype=tf.int64),
                                **({"optimizer": optimizer} if optimizer is not None else {}))
@@ -501,7 +499,7 @@ def restore_checkpoint(path: str, model: keras.Model, optimizer=None) -> int:
     ``expect_partial()`` silences TF's warnings about objects not matched (the optimizer's
     slots when only a model is restored); it checks nothing, so compare weights after a restore.
 
-    Shown in lesson 05, §7.
+    Shown in lesson 05, §8.
     """
     step = tf.Variable(0, dtype=tf.int64)
     ckpt = tf.train.Checkpoint(model=model, step=step,

@@ -21,7 +21,7 @@ def measure_optimizer_counter(strategy, lr: float) -> None:
     """Claims where an SGD must be constructed for its step counter to be mirrored: one made
     outside ``strategy``'s scope and built inside it, against ``mirrored.optimizer_in``'s.
 
-    Shown in lesson 05, §"Lab 05: the custom loop".
+    Shown in lesson 05, §5.
     """
     from dpcourse import mirrored
     from dpcourse.checks import claim
@@ -45,7 +45,7 @@ def measure_last_step(strategy, model, x: np.ndarray, y: np.ndarray,
     reduction) returns on an empty slice, eagerly and in three kinds of ``tf.function``.
     ``model`` is a mirrored Keras model; ``x``, ``y`` at least one example.
 
-    Shown in lesson 05, §"Lab 05: the custom loop".
+    Shown in lesson 05, §5.
     """
     from dpcourse.checks import claim
 

@@ -1,6 +1,6 @@
 """SmallCNN's Keras twin, and moving weights between it and the torch model.
 
-Used by lesson 05 (``lessons/05_mirrored_strategy.py``, §4 and §6) and lab 05, through
+Used by lesson 05 (``lessons/05_mirrored_strategy.py``, §5 and §7) and lab 05, through
 ``dpcourse.mirrored``, which re-exports every name here; the strategy, the input, the loops and
 multi-worker training are in :mod:`dpcourse.mirrored`.
 
@@ -32,7 +32,7 @@ def build_keras_cnn(num_classes: int = 10, width: int = 32, dtype=None,
     loss is computed at full precision. Build it inside ``strategy.scope()`` for mirrored
     variables. ``seed`` makes the initial weights repeatable (None: random).
 
-    Shown in lesson 05, §6.
+    Shown in lesson 05, §7.
     """
     if width < 1 or num_classes < 1:
         raise ValueError(f"width and num_classes must be positive, got {width}, {num_classes}")
@@ -79,7 +79,7 @@ def copy_torch_weights(torch_model, keras_model: keras.Model) -> keras.Model:
     reordered from C-major to channels-last, or the two models compute different functions.
     Works under a strategy (assigning to a mirrored variable sets every replica's copy).
 
-    Shown in lesson 05, §4.
+    Shown in lesson 05, §5.
     """
     sd = {k: v.detach().cpu().numpy() for k, v in torch_model.state_dict().items()}
     if [v.ndim for v in sd.values()] != [4, 1, 4, 1, 4, 1, 2, 1, 2, 1]:
@@ -96,7 +96,7 @@ def set_torch_layout_weights(keras_model: keras.Model, arrays) -> keras.Model:
     """Assign weights given in torch's layout and order (conv1 weight, conv1 bias, ...,
     fc2 bias: what ``SmallCNN.parameters()`` yields) to the Keras CNN.
 
-    Shown in lesson 05, §4.
+    Shown in lesson 05, §5.
     """
     convs, denses = _conv_and_dense(keras_model)
     arrays = [np.asarray(a, dtype=np.float32) for a in arrays]
@@ -120,7 +120,7 @@ def keras_weights_as_torch(keras_model: keras.Model) -> list[np.ndarray]:
     """The Keras model's weights in torch's layout and order (the inverse of
     :func:`copy_torch_weights`), to compare with ``[p for p in torch_model.parameters()]``.
 
-    Shown in lesson 05, §4.
+    Shown in lesson 05, §5.
     """
     convs, denses = _conv_and_dense(keras_model)
     out = []

@@ -1,4 +1,4 @@
-"""MultiWorkerMirroredStrategy with N worker processes on this machine (lesson 05, §8): ports,
+"""MultiWorkerMirroredStrategy with N worker processes on this machine (lesson 05, §9): ports,
 ``TF_CONFIG``, and workers that are ended on error or timeout. :func:`run_multiworker` starts N
 copies of ``python -m dpcourse.tf_multiworker_worker``, each training :class:`MultiWorkerConfig`'s
 steps, and hands back every worker's weights and losses.
@@ -70,7 +70,7 @@ def kill_worker(proc: subprocess.Popen) -> None:
     (:func:`dpcourse.launch.kill_tree`: its process group and every descendant), then reap it.
     A worker that is gone holds no port: the OS closes a dead process's sockets.
 
-    Shown in lesson 05, §8.
+    Shown in lesson 05, §9.
     """
     from dpcourse.launch import kill_tree
 
@@ -91,7 +91,7 @@ def run_multiworker(config: MultiWorkerConfig | None = None, num_workers: int = 
     one fails, on timeout, on KeyboardInterrupt, and after success: nothing is left running and
     no port stays bound. A failure raises :class:`MultiWorkerError` with the workers' last lines.
 
-    Shown in lesson 05, §8.
+    Shown in lesson 05, §9.
     """
     config = config or MultiWorkerConfig()
     if not isinstance(num_workers, int) or num_workers < 1:

@@ -34,7 +34,7 @@ def main(workdir: str) -> None:
     this worker's slice of every global batch, write its losses and final weights to
     ``workdir``.
 
-    Shown in lesson 05, §8.
+    Shown in lesson 05, §9.
     """
     t0 = time.perf_counter()
     import numpy as np

@@ -362,6 +362,12 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b, outliers: int = 1) -
     if word != "unclear":
         return (f"{name_b} was {word} than {name_a} {how} "
                 f"(medians: {ratio:.2f}x {name_a}'s speed{p}).")
+    if paired:
+        wins = max(sum(b > a for a, b in zip(runs_a, runs_b)),
+                   sum(b < a for a, b in zip(runs_a, runs_b)))
+        return (f"no clear difference between {name_a} and {name_b}: neither won enough rounds "
+                f"(at best {wins} of {len(runs_a)}; medians: {name_b} at {ratio:.2f}x "
+                f"{name_a}'s speed{p}).")
     return (f"no clear difference between {name_a} and {name_b}: their runs overlap "
             f"(medians: {name_b} at {ratio:.2f}x {name_a}'s speed, within the spread).")
 

@@ -25,9 +25,10 @@ QUESTIONS = [
                  "The straggler, as in synchronous mode",
                  "Nothing: an asynchronous worker never waits"],
      "answer": 0,
-     "why": ["Right: from each push to the server's answer. How those waits spread (median, "
-             "mean, the rare long ones and their share) is printed in §1; the run records "
-             "when it waited, not why.",
+     "why": ["Right: from each push to the server's answer, which includes queueing behind "
+             "other pushes and any time a process was not running on the shared cores (the "
+             "rare long waits). How those waits spread (median, mean, the long ones' share) "
+             "is printed in §1; the run records when it waited, not why.",
              "Asynchronous, the server answers each worker alone, without the straggler.",
              "The race's timeline (§1) shows grey gaps between its computations."]},
     {"q": "In the simulator, what does τ = 0 reduce to?",

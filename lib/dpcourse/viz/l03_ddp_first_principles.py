@@ -94,11 +94,6 @@ def sampler_grid_figure(orders: dict):
     return fig
 
 
-def _short_name(name: str) -> str:
-    return (name.replace("features.", "f.").replace("classifier.", "c.")
-            .replace(".weight", ".w").replace(".bias", ".b"))
-
-
 def bucket_timelines_figure(iterations: dict):
     """Backward passes under DDP on one rank, one panel per iteration, on a shared time axis.
 
@@ -106,7 +101,8 @@ def bucket_timelines_figure(iterations: dict):
     ``bucket_worker`` returns it: ``{"backward_end": ms, "grads": [(name, ms)], "buckets":
     [(names, bytes, start_ms, end_ms)]}``. Each panel has a row of ticks (one per gradient, when
     it was computed) and one bar per bucket, from the launch of its all-reduce to its end; the
-    row's label gives the bucket's size and tensors. The x axis ends where the slowest backward
+    row's label gives the bucket's index and size, not its tensors (which gradients share a
+    bucket is lab 07 part 1's question). The x axis ends where the slowest backward
     returned.
     """
     if not iterations:
@@ -127,10 +123,7 @@ def bucket_timelines_figure(iterations: dict):
         for i, (names, nbytes, start, stop) in enumerate(buckets):
             ax.barh(n - 1 - i, max(stop - start, end_all * 0.004), left=start, height=0.5,
                     color="#1f77b4")
-            shown = [_short_name(x) for x in names]
-            if len(shown) > 4:
-                shown = shown[:3] + [f"+{len(shown) - 3} more"]
-            labels.append(f"bucket {i}, {nbytes / 1024:.0f} KiB: {', '.join(shown)}")
+            labels.append(f"bucket {i}, {nbytes / 1024:.0f} KiB")   # contents: lab 07's question
         ax.set_yticks(range(n + 1))
         ax.set_yticklabels(labels[::-1] + ["gradients computed"], fontsize=7)
         ax.set_ylim(-0.6, n + 0.6)

@@ -155,20 +155,28 @@ def bucket_sweep_figure(rows: Sequence[dict], noise_ms: float | None = None,
     return fig
 
 
-def step_time_bars_figure(names: Sequence[str], seconds: Sequence[float], title: str = ""):
-    """Horizontal bars: one step time (ms) per way of synchronising the gradients."""
+def step_time_bars_figure(names: Sequence[str], seconds: Sequence[float], title: str = "",
+                          rounds: Sequence[Sequence[float]] | None = None):
+    """Horizontal bars: one step time (ms) per way of synchronising the gradients; with
+    ``rounds`` (each way's step time in every round, seconds), each round as a black dot on its
+    bar, so that the run-to-run spread shows beside the medians."""
     fig = new_figure(7.0, 0.9 + 0.45 * len(names))
     ax = fig.add_subplot(1, 1, 1)
     ms = [s * 1e3 for s in seconds]
     ax.barh(range(len(names)), ms, color=["#7f7f7f", "#ff7f0e", "#1f77b4", "#2ca02c"][
         :len(names)] if len(names) <= 4 else "#1f77b4")
+    top = max(ms)
+    for i, runs in enumerate(rounds or []):
+        xs = [s * 1e3 for s in runs]
+        ax.plot(xs, np.full(len(xs), float(i)), "o", color="black", ms=3, alpha=0.6)
+        top = max([top, *xs])
     for i, v in enumerate(ms):
-        ax.text(v, i, f" {v:.0f} ms", va="center", fontsize=8)
+        ax.text(v if not rounds else top, i, f" {v:.0f} ms", va="center", fontsize=8)
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(ms) * 1.25)
-    ax.set_xlabel("step time (ms, median)")
+    ax.set_xlim(0, top * 1.25)
+    ax.set_xlabel("step time (ms): bar the median" + (", dot one round" if rounds else ""))
     if title:
         ax.set_title(title, fontsize=9.5)
     ax.grid(True, axis="x", alpha=0.3)
