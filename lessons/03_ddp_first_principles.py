@@ -178,8 +178,8 @@ viz.show(viz.collectives_figure(before, after),
 # 2. **Independent samples**: each sample's loss depends on that sample alone. Training-mode
 #    BatchNorm breaks it: it normalises each sample with its batch's statistics, so a rank's
 #    shard gives a different gradient than the global batch (the cell below shows it too).
-# 3. **No randomness** in the forward. Dropout breaks it even on identically seeded ranks (a
-#    rank's masks for its shard are not those the global batch would draw): still a valid
+# 3. **No randomness** in the forward. Dropout breaks it even on identically seeded ranks (they
+#    all draw the same masks, which the global batch would not): still a valid
 #    stochastic gradient, not the same numbers. Every model here keeps `SmallCNN`'s
 #    `dropout=0.0`.
 #
@@ -375,7 +375,7 @@ claim(f"{world_size} ranks: weights after {steps} steps == one process to 1e-5, 
 # process: summing the gradient
 # in two halves and then adding rounds differently from summing it in one go. *Between ranks*,
 # though, the weights after the last step are identical to the last bit: every rank receives
-# the very same all-reduced numbers and applies the same update. Nobody sends weights after the
+# the very same averaged gradients and applies the same update. Nobody sends weights after the
 # start — equal gradients keep them equal. That holds for any number of ranks on two
 # conditions: the all-reduce hands every rank the same bytes (say, each piece of the sum
 # computed once and copied to the others; that gloo's did so in this run shows in its result,
@@ -614,8 +614,9 @@ with viz.folded_output("▶ What each bucket holds — open after lab 07 part 1 
 # Why one bucket first? Not because of a size limit: the model is seven times the cap. With
 # the default flags, as here, the reducer records the order in which the gradients really
 # became ready during the first iteration (registration order is only a guess), and before
-# the second forward it **rebuilds the buckets** in that order, once and for all
-# (`_pre_forward` calls the reducer's `_rebuild_buckets`); until then, one bucket is the safe
+# the next forward with gradients enabled (not a `no_grad` one) it **rebuilds the buckets** in
+# that order, once and for all (`_pre_forward`: `if torch.is_grad_enabled() and
+# self.reducer._rebuild_buckets()`); until then, one bucket is the safe
 # choice (the hazard is folded below).
 # With `find_unused_parameters=True` and no `static_graph`, the reducer never rebuilds
 # (`should_rebuild_buckets`): one bucket would then be for good, so DDP buckets by size from
@@ -828,7 +829,8 @@ viz.show(viz.bucket_timelines_figure({
     "iteration 2: the rebuilt buckets": third}),
     "in iteration 0 the single bucket waits for the last gradient: nothing overlaps. In "
     "iteration 2 the first bucket (the classifier) is in flight while the convolutions' "
-    "gradients are still being computed; backward() returns only when the last bucket is done. "
+    "gradients are still being computed; on gloo backward() returns only when the last bucket is "
+    "done (on NCCL, once it is queued: the GPU stream waits for it, not Python). "
     "A bar is a latency, not a transfer time: it includes waiting for the other rank and, "
     "during the backward, sharing the cores with it (the next cell compares the rates).")
 
@@ -968,7 +970,7 @@ claim("SyncBatchNorm's forward only all-gathers (no all_reduce); its backward on
 # |---|---|---|
 # | processes | 1 (threads, one GIL) | 1 per device |
 # | weights sent | every step, from device 0 | once, at the start, and again when a `Join` context (for uneven inputs) ends (buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
-# | gradients | summed onto device 0 | all-reduced, averaged on every rank |
+# | gradients | summed onto device 0 | the same average on every rank (how: lab 03) |
 # | per-step traffic at the busiest device, numbers sent + received (K: the number of gradient values, as lesson 02 counted them; times 4 for bytes in float32) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way; lesson 06 derives it) |
 # | overlap with backward | no | yes (buckets) |
 # | multi-machine | no | yes |
@@ -1258,6 +1260,11 @@ viz.quiz(quizzes.questions("03"))
 #   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or
 #   `WorkNCCL::synchronize()`, both achieves the same functionality"; `synchronize`: "Let
 #   current stream wait on the completion of the NCCL work").
+# - `torch/include/ATen/core/ivalue_inl.h` — `Future::wait()`: waits for `completed_`, then
+#   `synchronizeWithCurrentStreams()`, which makes the current streams wait on the future's
+#   events (`event.block`); the reducer's `finalize_backward` calls `wait()` on each bucket's
+#   future (`reducer.cpp`, below), and ProcessGroupNCCL marks its future complete when the
+#   work is queued, so on NCCL `backward()` returns without waiting for the GPU.
 # - `torch/distributed/distributed_c10d.py` — `init_process_group`'s docstring for `device_id`:
 #   under NCCL "the communicator is immediately formed ... rather than the normal lazy call";
 #   `torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp` — `NCCLComm::waitReady` ("Wait
@@ -1324,7 +1331,7 @@ viz.quiz(quizzes.questions("03"))
 #   buckets (lesson 07 names it, folded: it is lab 07 part 1's rule) and hands the reversed
 #   buckets to `dist.Reducer`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel._pre_forward`: calls
-#   `self.reducer._rebuild_buckets()` before the forward, then `_sync_buffers()` when
+#   `self.reducer._rebuild_buckets()` before a forward with `torch.is_grad_enabled()`, then `_sync_buffers()` when
 #   `_check_sync_bufs_pre_fwd()` (`will_sync_module_buffers`: `require_forward_param_sync`
 #   and `forward_sync_buffers` and the module has buffers); `_sync_buffers` uses rank 0 as the
 #   authoritative copy unless `Join` is active. `DistributedDataParallel._post_forward` sets

@@ -7,11 +7,16 @@ questions, with the answers folded in a ``<details>`` block (``viz.quiz``).
 
 Each module holds ``QUESTIONS``, a list in ``viz.quiz``'s form: ``q`` (the question),
 ``options``, ``answer`` (the right option's index) and ``why`` (one sentence per option).
+Authors write the right answer wherever it reads best; :func:`questions` hands the lesson each
+question's options in a fixed order drawn from the lesson and the question's number, so that
+the right answer's place carries no pattern (written down, 34 of 59 sat second).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import random
 import re
 
 
@@ -27,4 +32,18 @@ def questions(lesson: str) -> list[dict]:
     except ModuleNotFoundError:
         raise ValueError(f"quizzes.questions({lesson!r}): lesson {m.group(1)} has no "
                          f"quiz") from None
-    return module.QUESTIONS
+    return _shuffled(m.group(1), module)
+
+
+@functools.cache
+def _shuffled(number: str, module) -> list[dict]:
+    """``module.QUESTIONS`` with each question's options (and their ``why``) permuted, the same
+    way on every run and machine (a ``random.Random`` seeded with the lesson and question
+    number; a string seed is hashed with SHA-512, not Python's salted ``hash``)."""
+    out = []
+    for i, item in enumerate(module.QUESTIONS):
+        order = list(range(len(item["options"])))
+        random.Random(f"quiz {number}:{i}").shuffle(order)
+        out.append({**item, "options": [item["options"][k] for k in order],
+                    "why": [item["why"][k] for k in order], "answer": order.index(item["answer"])})
+    return out
