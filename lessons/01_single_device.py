@@ -743,8 +743,8 @@ claim('the CUDA knobs refuse "bf16" ("does not support precision"); the generic 
 # their order from their own seeded generator.
 #
 # - **On the CPU, for this model.** With the same seed, code, hardware and number of threads,
-#   two runs of `SmallCNN` end with *bit-identical* weights: the cell below proves it with
-#   *deterministic mode* (torch made to pick deterministic kernels,
+#   two runs of `SmallCNN` in one process end with *bit-identical* weights: the cell below
+#   proves it with *deterministic mode* (torch made to pick deterministic kernels,
 #   `torch.use_deterministic_algorithms`: next bullet) **off**, the seed alone. Change the
 #   seed and they differ. That is a fact about this model's ops, not a rule for every CPU
 #   model: torch's own list of ops that deterministic mode makes deterministic names CPU ones
@@ -912,7 +912,7 @@ viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases,
 # - AMP runs matmuls and convolutions in 16 bits and keeps sensitive operations, like the loss
 #   computed inside the autocast block, in float32; here it kept the accuracy.
 # - The same seed, code, hardware and threads gave this model bit-identical weights on the CPU
-#   (a model with e.g. `index_put` would need deterministic mode there too). On a GPU
+#   (two runs in one process; a model with e.g. `index_put` would need deterministic mode). On a GPU
 #   only with deterministic kernels (`warn_only=True` lets an op without one through: read the
 #   warnings); torch 2.14.1 no longer asks for `CUBLAS_WORKSPACE_CONFIG` (older versions did).
 #

@@ -244,8 +244,9 @@ claim("every parameter of the original model received a gradient",
 
 # %% [markdown]
 # The whole step in one call, `dp.data_parallel(model, X, devs)` (shown above), is what
-# `nn.DataParallel`'s `forward` does. Below is the picture of that step as our `dp` does it, one copy at a
-# time, drawn from this run's chunk sizes and parameter count. Two words in it name how
+# `nn.DataParallel`'s `forward` does on two or more devices (on one, torch's class skips
+# `replicate` and calls the module; ours still replicates). Below, that step as our `dp` does it,
+# one copy at a time, drawn from this run's numbers. Two words in it name how
 # tensors move between devices: a **broadcast** copies one device's tensor to every device, and
 # a **reduce** brings a tensor from every device onto one device, combining them there with one
 # operation into a single tensor.
@@ -516,18 +517,17 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0 and t["torch_replicate_
 
 # %% [markdown]
 # And the whole step? Below, one forward + backward of the plain model on the batch against
-# `dp.data_parallel` on 1, 2 and 4 simulated devices, interleaved over nine rounds. Every
-# "device" here is the same CPU, and each op runs on one intra-op thread. Their forwards run
+# our `dp.data_parallel` on 1, 2 and 4 simulated devices (on 1 it still replicates), interleaved
+# over nine rounds. Every "device" here is the same CPU, and each op runs on one intra-op thread. Their forwards run
 # in threads, and torch kernels release the GIL (measured below), so on two or more cores they
-# *can* use a second core while the plain model's step uses one (whether §4's recorded step
-# did is printed under its figure). The backward on a CPU runs in one thread either way. Against
+# *can* use a second core while the plain model's step uses one (§4 printed whether its step
+# did). The backward on a CPU runs in one thread either way. Against
 # that possible gain, DataParallel adds overhead per step — replication, threads, scatter and
-# gather — and the measurement decides which wins. Whether DataParallel's step stands out of
-# this run's noise, and from how many devices on, the last line printed says, computed from
-# the rounds by lesson 01's `compare_rates`. At nine rounds its rule — one side wins all, or
-# all but one — is a two-sided sign test at 5%, the bar lesson 07 uses: 8 or more wins of 9,
+# gather — and the measurement decides which wins. Whether our step stands out of this run's
+# noise, the last line printed says, computed by lesson 01's `compare_rates`. At nine rounds
+# its rule — one side wins all, or all but one — is a two-sided sign test at 5%: 8 or more wins of 9,
 # either way, is what a coin gives 3.9% of the time; anything less is no clear difference. On GPUs the forwards really
-# run side by side, and this overhead is what eats into the gain.
+# run side by side, and this overhead eats into the gain.
 #
 # **▶ `compare_rates` and its rule** (click below); the next cell tests it.
 
@@ -573,7 +573,7 @@ for _ in range(ROUNDS):               # rounds, interleaved so that a slow momen
     for n in step_rates:
         step_rates[n].append(samples_per_s(n))
 for n, runs in step_rates.items():
-    print(("plain model          " if n == 0 else f"DataParallel, N = {n}  ")
+    print(("plain model              " if n == 0 else f"our data_parallel, N = {n} ")
           + f"median {statistics.median(runs):6.0f} samples/s")
 # The weakest split compare_rates calls a difference, all but one of 9 rounds won, by chance
 # alone (each round a coin toss), either way: a two-sided sign test.
@@ -582,7 +582,7 @@ claim(f"at {ROUNDS} rounds compare_rates' weakest verdict (all but one round won
       f"test p = {worst:.3f} <= 0.05", worst <= 0.05)
 verdicts = {}
 for n in (1, 2, 4):
-    verdicts[n] = compare_rates("the plain step", step_rates[0], f"DataParallel on {n}",
+    verdicts[n] = compare_rates("the plain step", step_rates[0], f"our data_parallel on {n}",
                                 step_rates[n])
     print(f"N = {n}: {verdicts[n]}")
 slower = [n for n, v in verdicts.items() if " was slower than " in v]
@@ -591,12 +591,12 @@ unclear = [n for n in verdicts if n not in slower + faster]
 overlapped = fwd_wall < 0.8 * in_turn            # §4's recorded forwards, measured above
 print("On this run: " + "; ".join(
     part for part in (
-        f"DataParallel's step was the slower one (sign test at 5%) with N = "
+        f"our data_parallel's step was the slower one (sign test at 5%) with N = "
         f"{', '.join(map(str, slower))}"
-        if slower else "DataParallel's step was never clearly the slower one",
+        if slower else "our data_parallel's step was never clearly the slower one",
         f"with N = {', '.join(map(str, unclear))} no clear difference from the plain step"
         if unclear else "",
-        f"with N = {', '.join(map(str, faster))} DataParallel was faster (sign test at 5%)"
+        f"with N = {', '.join(map(str, faster))} our data_parallel was faster (sign test at 5%)"
         + (": §4's recorded forwards overlapped, so they may have used a second core"
            if overlapped else ", though §4's recorded forwards showed no overlap: the "
            "machine's load, not a second core, is the likelier cause")

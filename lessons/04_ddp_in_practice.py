@@ -120,8 +120,10 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # bullets — they are DDP itself. Skim the rest: the restart store (`store_for_this_attempt`,
 # `PrefixStore`, `TORCHELASTIC_USE_AGENT_STORE`) makes sense only after section 3's restarts,
 # the crash hook only serves section 3, and the exit code after `main` is shutdown plumbing.
+#
+# **▶ How the diff is cut** (click the folded cell below; the diff it prints stays in sight).
 
-# %%
+# %% jupyter={"source_hidden": true}
 import ast
 
 
@@ -201,16 +203,16 @@ claim(f"{len(hook)} of the {len(added)} '+' lines are section 3's crash hook (--
 # ranks' mean gradients is the gradient of the mean over those 64. The model is `small_cnn`,
 # which has no BatchNorm: BatchNorm normalises each rank's 32 images with their own statistics,
 # which breaks this equality (section 9). Each script ends by printing `final weights
-# <fingerprint>` (`dp.state_checksum`: a SHA-256 of every weight's bytes, which changes if a
-# single bit does). The two fingerprints below differ, because the two runs add the same numbers
+# <fingerprint>` (`dp.state_checksum`, folded below: 16 hex digits of a SHA-256 of every
+# state_dict tensor's name, dtype and bytes). The two fingerprints below differ, because the two runs add the same numbers
 # in another order; the cell after prints the largest weight difference. Here both scripts' `main` runs in
-# ranks started by `launch.spawn` (it starts faster: no agent, torch already imported), which
+# ranks started by `launch.spawn` (faster: no agent, torch already imported), which
 # sets the six variables the script needs — `RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
 # `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` — and not the others torchrun's agent sets
 # (`TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`, `GROUP_RANK`, ...; torchrun
 # also sets `OMP_NUM_THREADS=1` if unset and `--nproc-per-node` > 1): the script reads those
 # two `TORCHELASTIC_` variables with a fallback (attempt 0, and `init_process_group`'s own
-# store instead of the agent's), which is the path taken here (the claim after the run).
+# store instead of the agent's), the path taken here (claimed after the run).
 # Sections 2 and 3 run the script under torchrun itself.
 
 
@@ -255,6 +257,7 @@ claim("and count the same test images right (the same integer)",
 claim("with the same test loss (to 1e-4 relative)",
       abs(one["test"][0] - many["test"][0]) <= 1e-4 * abs(one["test"][0]),
       single=one["test"][0], ddp=many["test"][0])
+viz.show_code(dp.state_checksum, folded="▶ code: dp.state_checksum, the scripts' fingerprint")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -353,14 +356,13 @@ claim(f"the model learns: the last epoch's mean loss is under 60% of ln 10 = {ma
 # ## 3. Checkpoints and fault tolerance
 #
 # The script saves a checkpoint every few steps — **on rank 0 only** (every rank holds the
-# same weights), **atomically** (`dp.save_checkpoint`: a temporary file, then `os.replace`),
-# and loads with `map_location` and `weights_only=True`. With
+# same weights), **atomically** (`dp.save_checkpoint`, below), and loads with `map_location` and `weights_only=True`. With
 # `--max-restarts`, torchrun restarts *all* ranks when one dies; each finds the checkpoint and
 # resumes. Here rank 1 kills itself (SIGKILL) after step 11; the last checkpoint is step 8. The
 # run has the same arguments as the two-node run of section 2 (2 ranks, same seed), with the
 # checkpoint and the fault added, so that uninterrupted run is what it must end equal to. It
-# can because weights, optimizer state and data position are all this step depends on; what
-# else a checkpoint can need is lab 04's stretch question. The cell
+# can only if the checkpoint leaves out nothing the rest of the run depends on; what that takes
+# is lab 04's stretch question. The cell
 # prints the torchrun command it ran (folders cut) and the variables the launcher sets
 # (`launch.torchrun_env`: unbuffered output, a `[rank k]` prefix, one thread per worker).
 
@@ -464,7 +466,8 @@ viz.show_code(viz.torchrun_log, folded="▶ code: viz.torchrun_log")
 # stop halfway through the write.
 
 # %%
-viz.show_code(dp.save_checkpoint, dp.load_checkpoint)
+viz.show_code(dp.save_checkpoint, dp.load_checkpoint,
+              folded="▶ dp.save_checkpoint, dp.load_checkpoint — open after your lab passes")
 
 
 # %%
@@ -1138,8 +1141,8 @@ claim("with or without no_sync, the gradients equal one process on the global ba
 # Which 16-bit type? bfloat16 has float32's range, so it needs no scaler: use it on a CPU and on
 # GPUs that compute in it natively (compute capability 8.0 on, Ampere and later:
 # `torch.cuda.is_bf16_supported(including_emulation=False)`). On older GPUs use float16 with a
-# `GradScaler`: in the float16 backward, small *activation*
-# gradients fall out of float16's range. Below about 6e-5 (its smallest normal number) a value
+# `GradScaler`: in the float16 backward, small gradients (of activations and, computed in
+# float16 before their cast back, of weights) fall out of float16's range. Below about 6e-5 (its smallest normal number) a value
 # becomes *subnormal* and keeps fewer significant bits the smaller it is; only below about 3e-8
 # (half its smallest subnormal, 2⁻²⁴ ≈ 6e-8) is it nearer 0 than any float16, and rounding to
 # nearest makes it zero (underflow; not flush-to-zero, a hardware mode that drops subnormals
@@ -1873,6 +1876,9 @@ viz.quiz(quizzes.questions("04"))
 #   (Adam: unless `decoupled_weight_decay`, then `param.mul_(1 - lr * weight_decay)`) and Adam
 #   divides by the root of its second moment; `torch/optim/adamw.py` — `AdamW` is `Adam` with
 #   `decoupled_weight_decay=True`.
+# - `torch/include/ATen/autocast_mode.h` — `WrapFunction_` for `CastPolicy::lower_precision_fp`
+#   passes every argument through `cached_cast`: eligible tensors, float32 weights too, are cast
+#   (section 8).
 # - `torch/cuda/__init__.py` — `is_bf16_supported(including_emulation=False)`: true on ROCm
 #   and on CUDA devices of compute capability 8.0 or more (`get_device_properties(...).major >= 8`).
 # - `torch/nn/utils/clip_grad.py` — `clip_grad_norm_` → `_clip_grads_with_norm_`:

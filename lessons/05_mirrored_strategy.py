@@ -593,7 +593,8 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # The loss most Keras 3 code writes is neither: a Keras loss object,
 # `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. A call of a Keras
 # loss with a mean reduction — the default `"sum_over_batch_size"`, or `"mean"` — takes the mean
-# over the values it is given and multiplies it by 1 / `num_replicas_in_sync` whenever
+# of the per-example values its `call` returns (a scalar it returns as is: no mean, no 1/N;
+# claimed below) and multiplies it by 1 / `num_replicas_in_sync` whenever
 # `tf.distribute.get_strategy()` returns the strategy: in `fit` and in your own `strategy.run`
 # step alike, but also in plain host code under `with strategy.scope()` (with
 # `"mean_with_sample_weight"` and weights, the weight sum is the divisor); `reduction="sum"` or
@@ -693,6 +694,18 @@ claim("outside the scope the same call is the plain mean: so a whole batch's los
       np.isclose(outside_scope, total / 8, rtol=1e-5)
       and np.isclose(by["sum_over_batch_size"] * n, outside_scope, rtol=1e-5),
       outside_scope=outside_scope, inside_scope=by["sum_over_batch_size"])
+
+
+class ScalarCallLoss(keras.losses.Loss):   # its call already returns the batch's mean
+    def call(self, y, logits):
+        return tf.reduce_mean(mirrored.per_example_loss(y, logits))
+
+
+with strategy.scope():
+    scalar_call = float(ScalarCallLoss()(yb[:8], logits8))
+claim("a Loss whose call already returns a scalar is returned as is under the scope: the plain "
+      "mean, no 1/N (to 1e-5 relative)", np.isclose(scalar_call, total / 8, rtol=1e-5),
+      scalar_call=scalar_call, total=total)
 x_eq, y_eq = next(iter(strategy.experimental_distribute_dataset(
     tf.data.Dataset.from_tensor_slices((xb, yb)).batch(global_batch))))
 
@@ -797,8 +810,9 @@ viz.show_code(mirrored.keras_weights_as_torch,
 
 # %% [markdown]
 # The next cell also counts what carries the reported loss. One reduction takes another road on
-# every profile: `strategy.reduce(...)` puts its result on the current device (the host CPU,
-# unless a `with tf.device(...)` block names another: `StrategyExtendedV2._reduce`), and whenever
+# every profile: `strategy.reduce(...)` puts its result on the current device (a `with
+# tf.device(...)` block's, else the strategy's default device, set for multi-worker jobs, else
+# the host CPU: `StrategyExtendedV2._reduce`), and whenever
 # the strategy uses merge calls — always, except under XLA on all-GPU devices
 # (`MirroredExtended._use_merge_call`, a flag that `_reduce_to` reads) —
 # `MirroredExtended._reduce_to` sends a reduction to a CPU, or to devices other than the value's,
@@ -1226,8 +1240,8 @@ viz.show_code("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.
 # * Create variables under `strategy.scope()`; batch with the **global** batch.
 # * TF **sums** replicas' gradients, DDP averages them: for full steps each replica divides its
 #   summed loss by the **global** batch (`compute_average_loss` with `global_batch_size=`);
-#   `reduce_mean` makes the gradient N× too big, averaging again N× too small. A
-#   Keras loss object (default reduction) is already scaled (its slice's mean × 1/N):
+#   `reduce_mean` makes the gradient N× too big, averaging again N× too small. A Keras
+#   loss object (default reduction, per-example `call`) is already scaled (slice mean × 1/N):
 #   dividing it again makes the gradient N× too small; and since it is scaled
 #   wherever the strategy is current, a whole batch's loss computed on the host under
 #   `strategy.scope()` comes out N× too small.
@@ -1286,7 +1300,7 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._make_collective_ops_with_fallbacks`: with no `cross_device_ops`, `CollectiveAllReduce` with `RING` on CPUs, and on GPUs when the whole process lists fewer physical GPUs than logical ones (`len(physical_gpus) < len(logical_gpus)`, from `context.list_physical_devices` / `list_logical_devices`, whichever GPUs the strategy uses), else the `NCCL` set in `MirroredExtended.__init__`; `ReductionToOneDevice` for mixed CPU/GPU devices.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._reduce_to`: a reduction to a CPU destination (`strategy.reduce`) goes through `ReductionToOneDevice`; `MirroredExtended._batch_reduce_to`: the replica context's `all_reduce` goes through the strategy's cross-device ops.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._use_merge_call`: true unless the step runs under XLA on all-GPU devices; only when it is true, `_reduce_to` takes `ReductionToOneDevice` for a destination that is a CPU or does not match the value's devices (`cross_device_ops._devices_match`).
-# - `tensorflow/python/distribute/distribute_lib.py` — `StrategyExtendedV2._reduce`: `strategy.reduce`'s destination is `device_util.current()` (a `tf.device` scope's device), else `"/device:CPU:0"`.
+# - `tensorflow/python/distribute/distribute_lib.py` — `StrategyExtendedV2._reduce`: `strategy.reduce`'s destination is `device_util.current()` (a `tf.device` scope's device), else the strategy's `_default_device` (`None` in `StrategyExtendedV2.__init__`; set for multi-worker jobs: the first worker in `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._initialize_multi_worker` (also for a single worker on a job other than `localhost`, `_initialize_single_worker`), this task in `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._initialize_multi_worker`), else `"/device:CPU:0"`.
 # - `tensorflow/include/tensorflow/core/util/port.h` — `IsMklEnabled`; its definition, compiled into `tensorflow/libtensorflow_framework.so.2`, is TF's `tensorflow/core/util/port.cc` (not shipped as source): `DefaultOneDnnPolicy` turns oneDNN's custom operations on by default on Linux only when the CPU has AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX, and `TF_ENABLE_ONEDNN_OPTS` overrides that default.
 # - `tensorflow/libtensorflow_framework.so.2` (compiled; its strings): the notice "oneDNN custom operations are on … To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`".
 # - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — under `TENSORFLOW_USE_MKLDNN_CONTRACTION_KERNEL` Eigen's float contractions (matrix products, convolutions) can call oneDNN's `dnnl_sgemm`; `UseCustomContractionKernels()` decides at run time ("a runtime check, that uses environment variables"); `tensorflow/libtensorflow_cc.so.2` contains that symbol.
@@ -1302,7 +1316,7 @@ viz.quiz(quizzes.questions("05"))
 # - `keras/src/optimizers/sgd.py` — `SGD.build`: slot variables (`momentums`) only when `momentum != 0`.
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given (what it does without it: Sources that answer lab 05).
 # - `keras/src/backend/tensorflow/optimizer.py` — `TFOptimizer._all_reduce_sum_gradients`: `apply_gradients` sums the replicas' gradients with the replica context's `all_reduce(SUM, ...)`.
-# - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling; `scale_loss_for_distribution` reads the factor from `tf.distribute.get_strategy().num_replicas_in_sync`, so it applies wherever that returns the strategy, host code under `strategy.scope()` included.
+# - `keras/src/losses/loss.py` — `Loss.__call__` → `reduce_weighted_values` → `reduce_values` → `scale_loss_for_distribution`: a call of a Keras loss (in `fit` or in a custom `strategy.run` step) with reduction `"sum_over_batch_size"` (the default), `"mean"` or `"mean_with_sample_weight"` divides the slice's summed losses (the per-example values `call` returned; a scalar is returned as is) by its size (by its weight sum for `"mean_with_sample_weight"` with weights) and multiplies by 1 / `num_replicas_in_sync` under `tf.distribute`; `"sum"` and `"none"` return before any scaling; `scale_loss_for_distribution` reads the factor from `tf.distribute.get_strategy().num_replicas_in_sync`, so it applies wherever that returns the strategy, host code under `strategy.scope()` included.
 # - `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: when some replicas are done while others wait in a merge call, "Some replicas made a different number of replica_context().merge_call() calls." (a `RuntimeError`, the eager check, lines 234-237); `_MirroredReplicaContext._merge_call`: a merge call made in a graph other than the one being traced — inside a control-flow branch of a `tf.function` — raises "`merge_call` called while defining a new graph or a tf.function … control flow statement which contains a synchronization point" (lines 490-503), the test being `ops.get_default_graph() != t.graph` (line 501), the graph `strategy.run` was called in: a `tf.function`'s loop around `strategy.run` calls it in the loop body's graph, where its merge calls are made too, so no error; a loop *inside* the replica function gives its body a graph of its own, and a merge call there raises; `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce` goes through `merge_call` when `_use_merge_call()`, and its docstring says a skipped all-reduce "hangs".
 # - `keras/src/metrics/metric.py` — `Metric.add_variable`: a metric's state variables are created with `synchronization="on_read"` (line 204); `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._create_variable` calls `distribute_utils.create_mirrored_variable` with `VARIABLE_CLASS_MAPPING` (`tensorflow/python/distribute/distribute_utils.py`, lines 480-484): `ON_WRITE` (the default) → `MirroredVariable`, `ON_READ` → `SyncOnReadVariable`.
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value); `SyncOnReadVariable._get_cross_replica`: read in the cross-replica context, the copies are combined by `strategy.reduce` with the variable's aggregation (the first replica's copy for `ONLY_FIRST_REPLICA`).
@@ -1329,7 +1343,7 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/python/distribute/input_lib.py` — `DistributedDataset._make_rebatch_fn`: each global batch is cut into one batch per replica (`dataset.rebatch` with `batch_sizes_for_worker`, or `_LegacyRebatchDataset` in `tensorflow/python/data/experimental/ops/distribute.py`, whose docstring shows a replica getting `[]`); `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: one thread per replica, each calling the function.
 # - `keras/src/losses/loss.py` — `reduce_values` (lines 140-161): a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._make_function`: `fit`'s `multi_step_on_iterator` calls `iterator.get_next()` inside a `tf.function(..., reduce_retracing=True)`, so the step is traced with the dataset's element spec (a batch dimension of `None` where the last batch may be short), and `one_step_on_data` is a `tf.function` with `reduce_retracing=True` too.
-# - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__`: the `iteration` counter and the `learning_rate` variable are created by the constructor, not by `build`; `BaseOptimizer.build` adds variables only for EMA or gradient accumulation.
+# - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__` and `BaseOptimizer.build`: which variables each creates (the part-2 fold's claim); `build` adds only per-weight ones (EMA averages, accumulated gradients).
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `compute_average_loss`: the sum of the per-example losses (each scaled by its `sample_weight` when one is given) divided by `global_batch_size` when it is given; without it (`global_batch_size is None`, lines 116-128), by the replica's own batch (`shape(per_example_loss)[0]`) × `num_replicas_in_sync` (the docstring's "Defaults to", lines 98-99).
 # - `tensorflow/python/ops/nn_impl_distribute.py` — `scale_regularization_loss`: the regularisation loss divided by `num_replicas_in_sync`.
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._aggregate_additional_loss`: `fit` scales `model.losses` (regularisers) by the same 1 / `num_replicas_in_sync`.

@@ -25,7 +25,7 @@
 # Lesson 03 proved *that* DDP equals one process on the global batch. This lesson shows *how it
 # gets fast*, in three versions that each change one thing (the PyTorch DDP paper, Li et al.,
 # "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020, tells
-# the same story, measured on up to 256 GPUs):
+# the same story):
 #
 # 1. **after the backward**: one blocking all-reduce per parameter, once `backward()` returns;
 # 2. **hooks**: an asynchronous all-reduce per parameter, launched as soon as its gradient is
@@ -34,8 +34,8 @@
 #    message pays a fixed start-up cost (lesson 06's α).
 #
 # All three live in `dpcourse.overlap`, the runs that test them in
-# `dpcourse.overlap_experiments`; every cell below shows the code it runs, in view or folded
-# under a ▶ label, or names the lesson that showed it, except `dpcourse.viz`'s figure builders
+# `dpcourse.overlap_experiments`; every cell below shows the code it runs, or names the lesson
+# that showed it, except `dpcourse.viz`'s figure builders
 # and two small helpers of section 5's recorder, named there.
 
 # %% tags=["parameters"]
@@ -50,6 +50,7 @@ hook_steps = 120      # training steps of the comm-hook comparison
 import math
 import os
 
+import numpy as np
 import torch
 from IPython.display import Markdown, display
 
@@ -143,7 +144,7 @@ for kind in ("after_backward", "per_parameter"):
 # | flags | buckets at construction | rebuilt? |
 # |---|---|---|
 # | default (`find_unused_parameters=False`) | **one** with parameters of one dtype (several dtypes: lab 07, part 1) | once, at the second forward (`_pre_forward` calls `reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
-# | `find_unused_parameters=True` | by the caps over *registration* order, then the list reversed (`_ddp_init_helper`) | never: a 1 MiB first bucket holds the first-defined layers and is reduced last |
+# | `find_unused_parameters=True` | by the caps over *registration* order, then the list reversed (`_ddp_init_helper`) | never: a 1 MiB first bucket holds the first-defined layers, reduced last: small, so little waits after the backward (§4's C_last; torch's comment) |
 # | both flags `True` | one, as the default | once (`should_rebuild_buckets`) |
 #
 # **Lab 07, part 1 — now.** Before reading on, open
@@ -348,7 +349,7 @@ claim("the first bucket holds the last layer; the last bucket holds the first la
 # %% [markdown]
 # Try it yourself, once your lab's part 1 passes: slide the bucket cap and watch how many
 # collectives one step needs for this model, from the slider's smallest cap, 1 KiB, to a
-# single one (a cap above the model's size). The staircase is computed at every cap where a
+# single one. The staircase is computed at every cap where a
 # bucket boundary moves, so it shows where DDP's rule closes buckets: it is folded.
 #
 # **▶ The bucket-size explorer — open after your lab passes** (run it
@@ -356,7 +357,6 @@ claim("the first bucket holds the last layer; the last bucket holds the first la
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 import ipywidgets as widgets
-import numpy as np
 
 
 def collectives_at(cap_kib):
@@ -1522,7 +1522,8 @@ viz.quiz(quizzes.questions("07"))
 #   the first rebuild unless `find_unused_parameters` without `static_graph` (then
 #   `[first_bucket_bytes_cap, bucket_bytes_cap]` over registration order); `DistributedDataParallel._ddp_init_helper`: buckets from the
 #   reducer's assignment function (named in the folded sources at the end), then the list reversed (so the 1 MiB bucket
-#   holds the first-defined parameters); `DistributedDataParallel.__init__`:
+#   holds the first-defined parameters, whose gradients "don't spill into a much larger bucket",
+#   its comment says); `DistributedDataParallel.__init__`:
 #   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`; the class docstring
 #   on `batched_grad_copy`: with `zero_grad(set_to_none=True)` "`gradient_as_bucket_view`
 #   alone cannot avoid copies because the bucket view alias is destroyed every iteration";

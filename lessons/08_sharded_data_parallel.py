@@ -594,13 +594,13 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 # With fewer tokens per GPU per micro-batch, part of ZeRO-3's traffic stays on the critical
 # path however well it is scheduled (a bound from bandwidth alone: latency only raises it);
 # with bf16 weights gathered but fp32 gradients reduced (FSDP2 as section 6 runs it), the
-# backward needs 1.5× as many tokens; all messages in fp32, twice as many, if the matmuls keep
-# bf16 speed.
+# backward needs 1.5× as many tokens; with every message in fp32 but the matmuls still at
+# bf16 speed, twice as many (slower fp32 matmuls lower F, and the threshold).
 #
 # Note what does not shrink with N in ZeRO-3: a rank's working set. While a layer's backward
 # computes, its full weights and its full gradient (weighed in section 5 at every N) are both
 # alive, and with prefetching (section 6) the next layer's full weights too. Once its
-# gradients are complete the weights go before the reduce-scatter (section 4), so a layer being reduce-scattered no longer costs its weights.
+# gradients are complete the weights go before the reduce-scatter (section 4).
 # So where the reduce-scatter overlaps the next layer's backward (FSDP2's aim on a GPU), the
 # working set is one or two blocks' weights and gradients plus whatever the reduce-scatters
 # in flight keep alive, on top of 16Ψ/N.
@@ -612,17 +612,17 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 # %% [markdown]
 # <details><summary>▶ open</summary>
 #
-# A layer's gradient is held twice in memory for a moment: like `flatten_padded` in section 3,
+# A layer's gradient is briefly held twice: like `flatten_padded` in section 3,
 # `foreach_reduce` copies the gradients into a padded full-size buffer, the reduce-scatter's
 # input, before it drops them (`_fsdp_collectives.py`). That buffer outlives its
 # reduce-scatter: `post_backward` keeps it in `comm_ctx.reduce_scatter_states`
 # (`_fsdp_param_group.py`). The *next* group's `post_backward` makes the compute stream wait
-# for that reduce-scatter, then drops the buffer before reducing its own. One buffer may stay
-# by default (`FSDPModule.set_reduce_scatter_max_input_buffers` sets how many). Only a
-# `fully_shard` call's last group drops kept buffers; here each call makes one group. The last
-# group's buffer waits for the root's end-of-backward callback,
+# for that reduce-scatter, then drops the buffer before reducing its own (here each
+# `fully_shard` call makes one group; of a call with several, only the last drops). One
+# buffer may stay by default (`FSDPModule.set_reduce_scatter_max_input_buffers` sets how
+# many). The last group's buffer waits for the root's end-of-backward callback,
 # `_root_post_backward_final_callback` (the *root*, section 6: the outermost sharded module).
-# It drops them only on a step's last backward: `is_last_backward` is True unless
+# That callback drops the kept buffers only on a step's last backward: `is_last_backward` is True unless
 # `set_is_last_backward(False)` says more micro-batches follow. Section 6's accumulation
 # leaves it True; set False, the last group's buffer waits for the next backward's first
 # `post_backward`. So the next layer's backward sets a buffer's lifetime, whatever the

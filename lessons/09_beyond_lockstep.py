@@ -9,10 +9,10 @@
 # - build a parameter server from `dist.send` / `dist.recv`, show that its synchronous mode
 #   trains like DDP (the same weights, to 1e-6), and count the traffic it concentrates on one
 #   node;
-# - explain what asynchronous training buys (no waiting for stragglers: timed here against
-#   the synchronous server, with a simulated straggler) and what it costs (stale gradients), and
-#   measure when staleness makes training diverge (here: end above its starting loss) and
-#   how a smaller or staleness-aware step rescues it;
+# - explain what asynchronous training buys (no waiting for stragglers, slow workers: timed
+#   here against the synchronous server) and what it costs (stale gradients, computed on
+#   weights some updates old), and measure when staleness makes training diverge (here: end
+#   above its starting loss) and how a smaller step, or one divided by that age, rescues it;
 # - use local SGD to divide communication by H, measure how far the replicas drift between
 #   averages, and say what it cost here, in test loss and in accuracy;
 # - apply the linear scaling rule and warmup to a larger global batch, and read the result
@@ -87,9 +87,9 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 # %% [markdown]
 # <details><summary>▶ TensorFlow's ParameterServerStrategy, from its source</summary>
 #
-# Each worker and parameter server runs a `tf.distribute.Server`; a server task only
-# `join()`s. A *coordinator* process (not a worker) creates the variables and sends
-# `tf.function`s to the workers, which read and update the variables on the servers:
+# Each worker and parameter server task runs a `tf.distribute.Server` and only `join()`s;
+# all training code runs on a *coordinator* (not a worker), which creates the variables and
+# sends `tf.function`s to the workers, which read and update the variables on the servers:
 # asynchronous by default. Variables go round-robin over the servers; a *partitioner*
 # (optional) cuts one variable into shards. A failed worker's function is requeued.
 #
@@ -924,7 +924,8 @@ viz.quiz(quizzes.questions("09"))
 #   worker and parameter server runs a `tf.distribute.Server`" with a coordinator (not torch's
 #   rpc; "the coordinator is not one of the training workers", it "creates resources such as
 #   variables"), and a "worker" or "ps" task's example code ends in `server.join()`, "waiting for
-#   coordinator's requests"; a worker executes the dispatched `tf.function` "by reading the
+#   coordinator's requests", while the training program runs on the coordinator ("If
+#   coordinator, create a strategy and start the training program"); a worker executes the dispatched `tf.function` "by reading the
 #   variables from parameter servers, executing the ops, and updating the variables on the
 #   parameter servers"; the "placed on parameter servers in a round-robin manner" ("Default placement is
 #   round-robin"), and the `variable_partitioner` argument that additionally shards one

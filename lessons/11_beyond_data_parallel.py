@@ -788,13 +788,13 @@ claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tok
 # %% [markdown]
 # The schedules in `dpcourse.pipeline_parallel` list each stage's actions, F i
 # (forward of micro-batch i) and B i (backward). **GPipe** runs every forward, then every
-# backward. **1F1B** (one forward, one backward: PipeDream, Narayanan et al., SOSP 2019; its
-# synchronous, flushed form, *PipeDream-Flush*, Narayanan et al., ICML 2021, is the schedule
-# Megatron-LM runs without virtual stages; with v of them per rank, the interleaved schedule of
-# Narayanan et al., SC 2021, §2.2.2, cuts the idle-to-work ratio from (K − 1)/M to
-# (K − 1)/(v·M)) starts the backwards as early as possible: the same actions and — with
+# backward. **1F1B** (one forward, one backward: PipeDream, Narayanan et al., SOSP 2019)
+# starts the backwards as early as possible: the same actions and — with
 # equal stage times and free messages — the same bubble, but stage k holds at most
-# min(K − k, M) micro-batches' activations instead of M. Stages are numbered from 0 here,
+# min(K − k, M) micro-batches' activations instead of M. Its synchronous, flushed form,
+# *PipeDream-Flush* (Narayanan et al., ICML 2021), is the schedule Megatron-LM runs without
+# virtual stages; with v of them per rank, the interleaved schedule (Narayanan et al., SC
+# 2021, §2.2.2) cuts the idle-to-work ratio from (K − 1)/M to (K − 1)/(v·M). Stages are numbered from 0 here,
 # k = 0, …, K − 1, as ranks are: the first stage holds min(K, M). The papers number them from
 # 1 (stage i = k + 1), so there the same bound reads min(K − i + 1, M).
 
@@ -1016,17 +1016,13 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
       and versus["torch_setup_messages"] > 0)
 
 # %% [markdown]
+# <details><summary>▶ how the sends are counted (the recorder's side)</summary>
+#
 # One consequence matters for the counts above: inside `record_collectives`, torch's
 # pipelining sends every batch through `dist.batch_isend_irecv`, which the recorder counts
 # as one send or receive per op — the count torch's op-by-op path makes.
 #
-# **▶ How the recorder gets there (its `P2POp` stand-in and `Recorder.wrap_batch`), read and
-# run**.
-
-# %% [markdown]
-# <details><summary>▶ open</summary>
-#
-# How torch's sends are counted: its schedules hand each batch of sends and receives to
+# How the recorder gets there: torch's schedules hand each batch of sends and receives to
 # `_batch_p2p` (`pipelining/schedules.py`), which calls each op itself when all of a batch's
 # ops are `dist.isend` (or all `dist.irecv`), and `dist.batch_isend_irecv` otherwise. Inside
 # `record_collectives` (lesson 07), `dist.isend` and `dist.irecv` are the recorder's
@@ -1035,13 +1031,13 @@ claim("a step of torch's sends what ours sends; only its first step adds the set
 # `dist.P2POp`: handed the recorder's `dist.isend`, it stores the real one. That is why the
 # test in `_batch_p2p` never holds inside the block: every batch reaches the recorder's
 # `batch_isend_irecv`, `Recorder.wrap_batch`'s function, which records one send or receive
-# per `P2POp`, the count the op-by-op path makes.
+# per `P2POp`.
+#
+# The folded cell below reads and runs both, with `_real` (the op under the wrappers) and
+# lesson 10's `Recorder.run`, on a one-rank process group; a `before` hook refuses the batch
+# once both of its ops are recorded, so nothing is sent. Its claim is folded under it.
 #
 # </details>
-#
-# **▶ Both, read and run here, with `_real` (the op under the wrappers) and lesson 10's
-# `Recorder.run`** (on a one-rank process group; a `before` hook refuses the batch once both
-# of its ops are recorded, so nothing is sent). Its claim is printed under the folded cell:
 
 # %% jupyter={"source_hidden": true}
 import torch.distributed as dist
@@ -1076,15 +1072,17 @@ try:
             pass
 finally:
     dist.destroy_process_group()
-print("recorded:", [(c.function, c.op, c.nbytes, c.out_nbytes) for c in batch])
-claim("torch's _batch_p2p calls the ops itself only when every one is dist.isend (or every "
-      "one dist.irecv), else dist.batch_isend_irecv; inside record_collectives a P2POp holds "
-      "torch's real isend and irecv, not the recorder's dist.isend and dist.irecv, and the "
-      "recorder's batch_isend_irecv records a batch of two P2POps as one send and one receive",
-      "op_types == {dist.isend}" in batch_p2p and "op_types == {dist.irecv}" in batch_p2p
-      and "return dist.batch_isend_irecv(p2p_ops)" in batch_p2p and holds_real
-      and [(c.function, c.op) for c in batch] == [("batch_isend_irecv", "send"),
-                                                  ("batch_isend_irecv", "recv")])
+with viz.folded_output("▶ what the recorder recorded, and the claim"):
+    print("recorded:", [(c.function, c.op, c.nbytes, c.out_nbytes) for c in batch])
+    claim("torch's _batch_p2p calls the ops itself only when every one is dist.isend (or every "
+          "one dist.irecv), else dist.batch_isend_irecv; inside record_collectives a P2POp holds "
+          "torch's real isend and irecv, not the recorder's dist.isend and dist.irecv, and the "
+          "recorder's batch_isend_irecv records a batch of two P2POps as one send and one "
+          "receive",
+          "op_types == {dist.isend}" in batch_p2p and "op_types == {dist.irecv}" in batch_p2p
+          and "return dist.batch_isend_irecv(p2p_ops)" in batch_p2p and holds_real
+          and [(c.function, c.op) for c in batch] == [("batch_isend_irecv", "send"),
+                                                      ("batch_isend_irecv", "recv")])
 
 # %% [markdown]
 # ## 4. Composing them: a 2-D mesh
@@ -1186,7 +1184,7 @@ for name, placement in mesh_runs[0]["torch_placements"].items():
 #
 # | assumption | effect on the ranking | where checked |
 # |---|---|---|
-# | 16 bytes per parameter over Ψ/(t·p) (lesson 08; 16-bit gradients; `--fp16`'s 20 bytes not modelled) | `--bf16`'s default fp32 gradients (18 bytes) cost more memory and more bytes on the wire | after the ranking (`grad_bytes=4`) |
+# | 16 bytes per parameter over Ψ/(t·p) (lesson 08: 2 + 2 + 12, 16-bit gradients) | Megatron-LM's `--bf16` keeps fp32 gradients (2 + 4 + 12 = 18 bytes, twice the bytes on the wire), its `--fp16` adds a 4-byte fp32 gradient copy (2 + 2 + 4 + 12 = 20): with either the fastest row no longer fits | re-ranked after the ranking, below (`grad_bytes=4`; `optimizer_bytes=16`) |
 # | activations: layers recomputed, 1F1B's first stage holds min(p, M) micro-batches, no sequence parallelism (newer than the 2021 runs) | each of the t ranks keeps a layer's whole input | ranking cell's claim |
 # | DDP all-reduces once per step (`no_sync()`, 25 MiB buckets); ZeRO-3 gathers and reduce-scatters every micro-batch, as FSDP2's defaults (torch's pipeline stages defer resharding and sync to the last micro-batch, `stage.py`: unpriced) | favours DDP by construction | ranking cell (DP msgs) |
 # | ranks numbered tensor, pipeline, data (`order="tp-pp-dp"`); a dimension whose groups cross a node anywhere is priced at the network's speed | sets the links each dimension uses (Megatron-LM numbers data before pipeline) | after the ranking |
@@ -1331,8 +1329,11 @@ with viz.folded_output("▶ TP msgs per layer — open after your lab passes"):
 # That ranking assumes the ZeRO paper's 16-bit gradients. With `--bf16`, Megatron-LM accumulates and
 # all-reduces the gradients in fp32 unless told otherwise (`megatron/training/arguments.py`:
 # "bfloat16 requires gradient accumulation and all-reduce to be done in fp32"): 2 + 4 + 12 =
-# 18 bytes per parameter and twice the gradient bytes on the wire. The planner's
-# `grad_bytes=4`:
+# 18 bytes per parameter and twice the gradient bytes on the wire (the planner's
+# `grad_bytes=4`). With `--fp16` the gradients stay 16-bit on the wire, but the optimizer
+# gives its fp32 main weights an fp32 copy of them (`_copy_model_grads_to_main_grads`):
+# 2 + 2 + 4 + 12 = 20 bytes, the copy sharded with the optimizer state, as Megatron-LM's
+# table's "4 + 16/d" (`optimizer_bytes=16`):
 
 # %%
 options32 = planner.plan(model, cluster, published["global_batch"], grad_bytes=4)
@@ -1352,6 +1353,21 @@ claim(f"with fp32 gradients the 16-bit ranking's fastest row (t = {best['tp']}, 
       best["fits"] and not top16_32["fits"] and top16_32["total_bytes"] > 80 * 2**30
       and pub32["fits"]
       and (options32[0]["tp"], options32[0]["pp"]) == (published["tp"], published["pp"]))
+options20 = planner.plan(model, cluster, published["global_batch"], optimizer_bytes=16)
+kept20 = {(r["tp"], r["pp"], r["stage"]) for r in options20}
+dropped20 = [r for r in options[:6] if (r["tp"], r["pp"], r["stage"]) not in kept20]
+top16_20 = planner.plan_row(model, cluster, best["tp"], best["pp"], published["global_batch"],
+                            stage=best["stage"], optimizer_bytes=16)
+claim(f"with --fp16's 20 bytes {len(options20)} of the {len(options)} configurations fit; of "
+      f"the six fastest only the first drops (t = {best['tp']}, p = {best['pp']}, "
+      f"{best['stage']}: {top16_20['total_bytes'] / gb:.1f} GB, above the card's 85.9), and its "
+      f"tie, {options[1]['stage']} at the same t and p, is now the fastest "
+      f"({options20[0]['total_bytes'] / gb:.1f} GB, the same {options20[0]['time_s']:.2f} s: "
+      "16-bit gradients on the wire)",
+      dropped20 == [best] and not top16_20["fits"] and top16_20["total_bytes"] > 80 * 2**30
+      and (options20[0]["tp"], options20[0]["pp"], options20[0]["stage"])
+      == (best["tp"], best["pp"], options[1]["stage"]) == (8, 4, "zero1")
+      and options20[0]["time_s"] == options[1]["time_s"])
 
 # %%
 shown = list(best_per_t.values()) + [pub]
@@ -1374,7 +1390,8 @@ viz.show(viz.planner_figure(shown, labels, cluster.gpu_bytes / 1e9, cluster),
 # for all, and more pipeline stages trade a slightly larger bubble for less data-parallel
 # traffic and memory per GPU. This model cannot split hairs that fine, and at the very top
 # it cannot split them at all: its two fastest rows tie exactly (below), so which comes first
-# is the tie-break's choice, not the model's; the paper chose by measuring. Its ranking of
+# is the tie-break's choice, not the model's (at Megatron-LM's 18 or 20 bytes the DDP one does
+# not fit, above); the paper chose by measuring. Its ranking of
 # the tensor size follows from two of its assumptions, not from a measurement: `plan_row`
 # gives every row the same compute time, as if each rank's matmuls, t times smaller, ran at
 # the same efficiency, and it prices a tensor-parallel collective by its bytes alone, with no
@@ -1490,8 +1507,9 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 #   peak, about 9 % above the step time the paper measured at 47 %); for GPT-3, data
 #   parallelism alone fits only as ZeRO-3, estimated 2.7× slower per step (measured in the
 #   paper: 3.2×). All with the ZeRO paper's 16-bit gradients; with the fp32 gradients of Megatron-LM's `--bf16`
-#   (18 bytes per parameter) the planner's fastest 16-bit row no longer fits, and the
-#   published t = 8, p = 8 becomes its fastest shape.
+#   (18 bytes per parameter) the planner's fastest 16-bit row (DDP, t = 8, p = 4) no longer
+#   fits, and the published t = 8, p = 8 becomes its fastest shape; with `--fp16`'s fp32
+#   gradient copy (20 bytes) that DDP row drops too, and its ZeRO-1 tie leads.
 #
 # This is the course's last lesson. The references that go further: the Ultra-Scale
 # Playbook (Hugging Face, 2025), *How to Scale Your Model* (Google DeepMind, 2025), Stanford
@@ -1605,8 +1623,9 @@ viz.quiz(quizzes.questions("11"))
 # `megatron/core/optimizer/optimizer.py` (`_copy_model_grads_to_main_grads`:
 # `main_param.grad = model_param.main_grad.float()`) gives the fp32 main weights an fp32
 # gradient too: 20 bytes, as `docs/user-guide/features/dist_optimizer.md` tabulates
-# ("`fp16` parameters, `fp16` gradients | 20"), not section 5's 16, which is the ZeRO paper's
-# accounting (Rajbhandari et al., 2 + 2 + 12).
+# ("`fp16` parameters, `fp16` gradients | 20 | 4 + 16/d": the copy sharded with the optimizer
+# state, section 5's `optimizer_bytes=16`), not the 16 of section 5's ranking, which is the
+# ZeRO paper's accounting (Rajbhandari et al., 2 + 2 + 12).
 #
 # Papers: Shoeybi et al., *Megatron-LM: Training Multi-Billion Parameter Language Models Using
 # Model Parallelism*, 2019 (section 3, the MLP, f and g); Narayanan et al., *Efficient

@@ -177,6 +177,22 @@ def test_fp32_gradients_cost_18_bytes_and_twice_the_traffic():
         planner.plan_row(model, A100, 8, 8, PUB["global_batch"], grad_bytes=3)
 
 
+def test_fp16_main_grad_copy_costs_20_bytes_sharded_with_the_optimizer():
+    """Megatron-LM with --fp16 gives its fp32 main weights an fp32 gradient copy: 2 + 2 + 4 + 12
+    bytes per parameter, 4 + 16/D with its distributed optimizer; 16-bit gradients on the wire."""
+    model = planner.GPT_145B
+    per_gpu = model.num_params / 32
+    b16 = planner.plan_row(model, A100, 8, 4, PUB["global_batch"])
+    f16 = planner.plan_row(model, A100, 8, 4, PUB["global_batch"], optimizer_bytes=16)
+    z1 = planner.plan_row(model, A100, 8, 4, PUB["global_batch"], stage="zero1",
+                          optimizer_bytes=16)
+    assert f16["state_bytes"] == per_gpu * 20 and f16["dp_bytes"] == b16["dp_bytes"]
+    assert math.isclose(z1["state_bytes"], per_gpu * (4 + 16 / z1["dp"]))
+    assert b16["fits"] and not f16["fits"] and z1["fits"]
+    rows = planner.plan(model, A100, PUB["global_batch"], optimizer_bytes=16)
+    assert (rows[0]["tp"], rows[0]["pp"], rows[0]["stage"]) == (8, 4, "zero1")
+
+
 def test_tp_messages_per_layer_are_two_each_way_and_the_recomputed_forward_repeats_its_two():
     # the constant lesson 11 checks (folded) against section 2's run: attention and MLP each
     # make one collective per pass

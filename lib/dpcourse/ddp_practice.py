@@ -108,7 +108,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict | None:
 
 
 def state_checksum(state: dict | nn.Module) -> str:
-    """A short fingerprint of a model's weights (or any dict of tensors), exact to the bit."""
+    """A short fingerprint of a model's state_dict, buffers included (or of any dict of
+    tensors): 16 hex digits of a SHA-256 of each tensor's name, dtype and bytes.
+
+    Shown in lesson 04, §1.
+    """
     if isinstance(state, nn.Module):
         state = state.state_dict()
     h = hashlib.sha256()

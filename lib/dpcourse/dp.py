@@ -345,7 +345,7 @@ def gather(outputs: Sequence[torch.Tensor], target_device=None, dim: int = 0) ->
 
 
 def data_parallel(module: nn.Module, X: torch.Tensor, devices) -> torch.Tensor:
-    """``nn.DataParallel(module)(X)``, spelled out: scatter, replicate, parallel_apply, gather.
+    """``nn.DataParallel(module)(X)`` on 2+ devices, spelled out (and replicating on 1 too).
 
     Shown in lesson 02, §4.
     """

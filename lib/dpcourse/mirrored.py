@@ -348,8 +348,7 @@ def make_train_step(strategy, model, optimizer, global_batch: int, loss_scaling:
     Shown in lesson 05, §5.
     """
     if not optimizer.built:
-        # build() adds only per-weight state (none for plain SGD); the step counter and the
-        # learning rate were made by the optimizer's constructor, wherever the caller ran it.
+        # build() adds only per-weight state (none for plain SGD).
         with strategy.scope():
             optimizer.build(model.trainable_variables)
 

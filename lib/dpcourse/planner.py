@@ -167,14 +167,16 @@ def within_nodes(span: int, gpus_per_node: int) -> bool:
 def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batch: int,
              micro_batch: int = 1, stage: str = "ddp", recompute: bool = True,
              sequence_parallel: bool = False, bucket_bytes: float = 25 * 2**20,
-             grad_bytes: float = 2, order: str = "tp-pp-dp") -> dict:
+             grad_bytes: float = 2, order: str = "tp-pp-dp",
+             optimizer_bytes: float = 12) -> dict:
     """Memory, traffic and an estimated step time for one configuration (t = ``tp``,
     p = ``pp``, D = GPUs / (t·p), the row's ``dp``), as described in the module's docstring.
     ``stage`` is the data-parallel flavour over the D ranks: "ddp", "zero1", "zero2" or
     "zero3". Model state uses lesson 08's mixed-precision Adam with gradients of
     ``grad_bytes``: 2 + 2 + 12 = 16 bytes per parameter with 16-bit gradients (the ZeRO
     paper's accounting; Megatron-LM's ``--fp16`` keeps an fp32 copy of them as well, 20 bytes
-    in its own table, which this planner does not model), 2 + 4 + 12 = 18 with
+    in its own table: ``optimizer_bytes=16``, the copy sharded with the optimizer state as in
+    that table's ``4 + 16/d``), 2 + 4 + 12 = 18 with
     ``grad_bytes=4`` (its ``--bf16`` default: gradients accumulated and all-reduced in fp32,
     ``megatron/training/arguments.py``). Data-parallel
     traffic: an all-reduce of the gradients (DDP), a reduce-scatter of the gradients and an
@@ -212,7 +214,8 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     per_gpu = psi / (tp * pp)
     if grad_bytes not in (2, 4):
         raise ValueError(f"grad_bytes must be 2 (16-bit gradients) or 4 (fp32), got {grad_bytes}")
-    state = per_gpu * zero.bytes_per_param(stage, dp, grad_bytes=grad_bytes)
+    state = per_gpu * zero.bytes_per_param(stage, dp, grad_bytes=grad_bytes,
+                                           optimizer_bytes=optimizer_bytes)
     layers_here = model.layers // pp
     in_flight = min(pp, m)                            # 1F1B, first stage
     act_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, recompute)
@@ -263,14 +266,15 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
 
 def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: int = 1,
          stages=("ddp", "zero1", "zero3"), recompute: bool = True,
-         grad_bytes: float = 2, order: str = "tp-pp-dp") -> list[dict]:
+         grad_bytes: float = 2, order: str = "tp-pp-dp",
+         optimizer_bytes: float = 12) -> list[dict]:
     """Every configuration that fits, fastest estimate first: each tensor size t dividing the
     heads and the GPUs of a node (:func:`within_nodes`: tensor parallelism communicates in every
     layer, so its groups stay on the node's fast links), each pipeline size p dividing the
     layers, each data-parallel flavour
-    in ``stages``, where the GPUs and the global batch split evenly; ``grad_bytes`` and
-    ``order`` as in :func:`plan_row`. Rows whose estimates are equal are ordered by their
-    messages per step (fewer first: the latency the estimate leaves out), then by their memory
+    in ``stages``, where the GPUs and the global batch split evenly; ``grad_bytes``,
+    ``optimizer_bytes`` and ``order`` as in :func:`plan_row`. Rows whose estimates are equal
+    are ordered by their messages per step (fewer first: the latency the estimate leaves out), then by their memory
     (less first); each row's ``tied_with`` counts the other rows with its exact estimate.
     Shown in lesson 11, §5.
     """
@@ -287,7 +291,8 @@ def plan(model: Transformer, cluster: Cluster, global_batch: int, micro_batch: i
                 continue
             for stage in stages:
                 row = plan_row(model, cluster, tp, pp, global_batch, micro_batch, stage,
-                               recompute, grad_bytes=grad_bytes, order=order)
+                               recompute, grad_bytes=grad_bytes, order=order,
+                               optimizer_bytes=optimizer_bytes)
                 if row["fits"]:
                     rows.append(row)
     for r in rows:

@@ -39,7 +39,7 @@ def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 1
     ax.axhline(4 * numel / 1e3, color="#1f77b4", ls=":", lw=1,
                label="4K: the ring's bound, for any N")
     ax.set_ylim(bottom=0)   # linear: the server's line is straight, the ring's levels off
-    return _finish(fig, ax, "workers N", "elements sent + received per step (thousands)",
+    return _finish(fig, ax, "workers N", "elements sent + received\nper step (thousands)",
                    dict(left=0.15, right=0.97, bottom=0.14, top=0.95))
 
 
