@@ -120,48 +120,13 @@ print("ranks:", world_size, "| backend:", profile.backend)
 # bullets — they are DDP itself. Skim the rest: the restart store (`store_for_this_attempt`,
 # `PrefixStore`, `TORCHELASTIC_USE_AGENT_STORE`) makes sense only after section 3's restarts,
 # the crash hook only serves section 3, and the exit code after `main` is shutdown plumbing.
-#
-# **▶ How the diff is cut** (click the folded cell below; the diff it prints stays in sight).
 
-# %% jupyter={"source_hidden": true}
-import ast
-
-
-def without_function(path, name):
-    """The script's lines, with its top-level function `name` cut down to one comment line."""
-    text = path.read_text()
-    fn = next(node for node in ast.parse(text).body
-              if isinstance(node, ast.FunctionDef) and node.name == name)
-    lines = text.splitlines()
-    return (lines[:fn.lineno - 1] + [f"# def {name}(...): folded after the lab pointer"]
-            + lines[fn.end_lineno:])
-
-
-# The lines that resume from and save the checkpoint (lab 04's stretch) are the same in both
-# scripts; each block stands as one comment line here, folded after the lab pointer.
-RESUME_AND_SAVE = [("state = load_checkpoint(", 'print(f"resumed from step', "# (resume"),
-                   ("for epoch in range(step", "for epoch in range(step",
-                    "for epoch in ...:  # (its range"),
-                   ("done_in_epoch = ", "done_in_epoch = ", "# (what a resume skips"),
-                   ("if i // args.accum < done_in_epoch", "continue  # already", "# (skip"),
-                   ("if args.ckpt and is_main", '"scaler": scaler.state_dict()', "# (save")]
-
-
-def without_resume_and_save(lines):
-    """`lines` with each block of RESUME_AND_SAVE cut to one comment line; and the cut lines."""
-    kept, cut = [], []
-    for start, end, what in RESUME_AND_SAVE:
-        i = next(k for k, line in enumerate(lines) if start in line)
-        j = next(k for k in range(i, len(lines)) if end in lines[k])
-        indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
-        cut += lines[i:j + 1]
-        lines = (lines[:i] + [f"{indent}{what}: folded after the lab pointer)"]
-                 + lines[j + 1:])
-    return lines, cut
-
-
-single_shown, single_cut = without_resume_and_save(without_function(train_single, "evaluate"))
-ddp_shown, ddp_cut = without_resume_and_save(without_function(train_ddp, "evaluate"))
+# %%
+viz.show_code(dp.without_function, dp.without_resume_and_save,
+              folded="▶ How the diff is cut (its anchors name lab 04's stretch) — open after "
+                     "your lab passes")
+single_shown, single_cut = dp.without_resume_and_save(dp.without_function(train_single, "evaluate"))
+ddp_shown, ddp_cut = dp.without_resume_and_save(dp.without_function(train_ddp, "evaluate"))
 shown = list(difflib.unified_diff(single_shown, ddp_shown,
                                   "train_single.py", "train_ddp.py", lineterm="", n=1))
 display(Code("\n".join(shown), language="diff"))  # highlighted: + lines added for DDP
@@ -1701,6 +1666,9 @@ shutil.rmtree(work, ignore_errors=True)
 # process (below it).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
+import ast
+
+
 def function_lines(path, name):
     text = path.read_text()
     fn = next(node for node in ast.parse(text).body

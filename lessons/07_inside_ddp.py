@@ -270,21 +270,12 @@ viz.show_code(overlap.assign_buckets,
 # refuses that call), so they are folded; the verdict is printed below.
 
 # %% [markdown]
-# **▶ The comparison with torch's function — open after your lab passes**.
+# **▶ The comparison with torch's function** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true}
-import sys
-
-import torch.distributed as dist
-
-
-def torch_buckets(params, caps_mb):
-    """The reducer's own assignment of reversed(params), as lists of indices into params."""
-    n = len(params)
-    limits = [sys.maxsize if c == math.inf else int(c * 2**20) for c in caps_mb]
-    got, _ = dist._compute_bucket_assignment_by_size(
-        list(reversed(params)), limits, [False] * n, list(range(n - 1, -1, -1)))
-    return [list(b) for b in got]
+viz.show_code(overlap.torch_buckets,
+              folded="▶ overlap.torch_buckets: torch's own function, called — open after your "
+                     "lab passes")
 
 
 def our_buckets(params, caps_mb):
@@ -294,7 +285,7 @@ def our_buckets(params, caps_mb):
 
 
 cap_lists = [(c,) for c in (0.001, 0.01, 0.05, 0.1, 1, 4, 25, math.inf)] + [(1, 25)]
-same = {name: all(our_buckets(ps, c) == torch_buckets(ps, c) for c in cap_lists)
+same = {name: all(our_buckets(ps, c) == overlap.torch_buckets(ps, c) for c in cap_lists)
         for name, ps in [("SmallCNN", list(cfg.build().parameters())),
                          ("64-layer MLP", list(experiments.wide_mlp(300, 64).parameters()))]}
 claim(f"overlap.assign_buckets == the reducer's own bucket assignment of the parameters "

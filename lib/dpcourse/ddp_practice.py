@@ -20,6 +20,7 @@ Nothing here runs on import. Used in lessons/04_ddp_in_practice.py and by
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import subprocess
@@ -48,6 +49,8 @@ __all__ = [
     "NodesResult",
     "run_nodes",
     "script_path",
+    "without_function",
+    "without_resume_and_save",
 ]
 
 
@@ -304,6 +307,41 @@ def script_path(name: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"no course script named {name!r} (looked for {path})")
     return path
+
+
+def without_function(path: str | os.PathLike, name: str) -> list[str]:
+    """The script's lines, with its top-level function ``name`` cut down to one comment line.
+
+    Shown in lesson 04, §1."""
+    text = Path(path).read_text()
+    fn = next(node for node in ast.parse(text).body
+              if isinstance(node, ast.FunctionDef) and node.name == name)
+    lines = text.splitlines()
+    return (lines[:fn.lineno - 1] + [f"# def {name}(...): folded after the lab pointer"]
+            + lines[fn.end_lineno:])
+
+
+def without_resume_and_save(lines: list[str]) -> tuple[list[str], list[str]]:
+    """``lines`` (train_single.py's or train_ddp.py's) with each block that resumes from or
+    saves the checkpoint (lab 04's stretch) cut to one comment line; and the cut lines, so that
+    the lesson can claim the two scripts' cut blocks are the same. Each block runs from the line
+    holding its start to the next line holding its end.
+
+    Shown in lesson 04, §1."""
+    blocks = [("state = load_checkpoint(", 'print(f"resumed from step', "# (resume"),
+              ("for epoch in range(step", "for epoch in range(step",
+               "for epoch in ...:  # (its range"),
+              ("done_in_epoch = ", "done_in_epoch = ", "# (what a resume skips"),
+              ("if i // args.accum < done_in_epoch", "continue  # already", "# (skip"),
+              ("if args.ckpt and is_main", '"scaler": scaler.state_dict()', "# (save")]
+    kept, cut = list(lines), []
+    for start, end, what in blocks:
+        i = next(k for k, line in enumerate(kept) if start in line)
+        j = next(k for k in range(i, len(kept)) if end in kept[k])
+        indent = kept[i][:len(kept[i]) - len(kept[i].lstrip())]
+        cut += kept[i:j + 1]
+        kept = kept[:i] + [f"{indent}{what}: folded after the lab pointer)"] + kept[j + 1:]
+    return kept, cut
 
 
 # --------------------------------------------------------------------------------------------

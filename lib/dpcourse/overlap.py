@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "PerParameterHooks",
     "BucketedDataParallel",
     "assign_buckets",
+    "torch_buckets",
     "bucket_nbytes",
     "predict_step",
     "powersgd_elements",
@@ -202,6 +204,22 @@ def assign_buckets(params, bucket_cap_mb: float,
             b[:] = [[], 0, min(b[2] + 1, len(limits) - 1)]
     buckets += [b[0] for b in open_.values() if b[0]]
     return buckets
+
+
+def torch_buckets(params, caps_mb) -> list[list[int]]:
+    """The buckets DDP's reducer itself makes of ``reversed(params)``, as lists of indices into
+    ``params``: torch's C++ assignment, called through the name torch exposes it by, with the
+    limits ``caps_mb`` in MiB (the first for the first bucket, the last for every later one;
+    ``math.inf`` for no cap). Lesson 07 checks ``assign_buckets`` against it; lab 07's check
+    refuses it as an answer.
+
+    Shown in lesson 07, §3.
+    """
+    n = len(params)
+    limits = [sys.maxsize if c == math.inf else int(c * MiB) for c in caps_mb]
+    got, _ = dist._compute_bucket_assignment_by_size(
+        list(reversed(params)), limits, [False] * n, list(range(n - 1, -1, -1)))
+    return [list(b) for b in got]
 
 
 class BucketedDataParallel(nn.Module):

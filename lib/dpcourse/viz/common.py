@@ -34,19 +34,32 @@ def figure_to_png(fig, dpi: int | None = None) -> bytes:
     return buf.getvalue()
 
 
-def show(fig, caption: str | None = None) -> None:
+def show(fig, caption: str | None = None, folded: str | None = None) -> None:
     """Display ``fig`` as a PNG in a notebook, then its one-line caption (what to see in it).
 
     Every figure in a lesson has a caption (tests/test_notebooks.py checks): pass it here. Works
     for pyplot figures too (``plt.gcf()``), which are then closed so they are not drawn twice.
+    ``folded="▶ label"`` is for a figure that shows a lab's answer: the PNG and its caption go
+    into one ``<details>`` block under ``label``, folded in every viewer like
+    ``show_code(..., folded=label)`` (the cell's fold flag alone GitHub ignores).
     """
     try:
         from IPython.display import Image, Markdown, display
     except ImportError:  # plain Python: nothing to show on
         return
-    display(Image(figure_to_png(fig)))
-    if caption:
-        display(Markdown(f"*Figure — {caption}*"))
+    if folded is not None:
+        import base64
+        import html
+
+        png = base64.b64encode(figure_to_png(fig)).decode("ascii")
+        body = f'<img src="data:image/png;base64,{png}"/>'
+        if caption:
+            body += f"\n<p><em>Figure — {html.escape(caption)}</em></p>"
+        display(folded_code_bundle(body, folded, what="figure"), raw=True)
+    else:
+        display(Image(figure_to_png(fig)))
+        if caption:
+            display(Markdown(f"*Figure — {caption}*"))
     if getattr(fig, "number", None) is not None:  # a pyplot figure: forget it
         import matplotlib.pyplot as plt
 
