@@ -143,8 +143,8 @@ for kind in ("after_backward", "per_parameter"):
 #
 # | flags | buckets at construction | rebuilt? |
 # |---|---|---|
-# | default (`find_unused_parameters=False`) | **one** with parameters of one dtype (several dtypes: lab 07, part 1) | once, at the second forward (`_pre_forward` calls `reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
-# | `find_unused_parameters=True` | by the caps over *registration* order, then the list reversed (`_ddp_init_helper`) | never: a 1 MiB first bucket holds the first-defined layers, reduced last: small, so little waits after the backward (§4's C_last; torch's comment) |
+# | default (`find_unused_parameters=False`) | **one** with parameters of one dtype (several dtypes: lab 07, part 1) | once, at the next forward with gradients on (`_pre_forward`: `torch.is_grad_enabled() and reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
+# | `find_unused_parameters=True` | by the caps over *registration* order, then the list reversed (`_ddp_init_helper`) | never: a 1 MiB first bucket holds the first-defined layers, reduced last: small, so little waits after the backward (torch's comment) |
 # | both flags `True` | one, as the default | once (`should_rebuild_buckets`) |
 #
 # **Lab 07, part 1 — now.** Before reading on, open
@@ -1518,8 +1518,8 @@ viz.quiz(quizzes.questions("07"))
 #   `gradient_as_bucket_view`, `static_graph`, `find_unused_parameters`; the class docstring
 #   on `batched_grad_copy`: with `zero_grad(set_to_none=True)` "`gradient_as_bucket_view`
 #   alone cannot avoid copies because the bucket view alias is destroyed every iteration";
-#   `DistributedDataParallel._pre_forward`: `self.reducer._rebuild_buckets()` ("Calling
-#   _rebuild_buckets before forward computation"), so the rebuild comes at the second forward;
+#   `DistributedDataParallel._pre_forward`: `if torch.is_grad_enabled() and
+#   self.reducer._rebuild_buckets()`, so the rebuild comes at the next forward with gradients on;
 #   `DistributedDataParallel._get_ddp_logging_data`: `num_buckets_reduced`,
 #   `rebuilt_per_bucket_param_indices`; `_DDPSink.backward`: with `static_graph`, queues
 #   `reducer._delay_all_reduce` in the first backward (section 6).

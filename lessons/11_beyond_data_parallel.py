@@ -230,7 +230,8 @@ claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradie
 # Data parallelism with a fixed batch per rank grows the **global** batch with N. A bigger
 # batch gives a less noisy gradient, so fewer steps reach a given loss — but only up to a
 # point. McCandlish et al. ("An Empirical Model of Large-Batch Training", 2018) model the
-# steps S needed at a batch of β examples as `S = S_min·(1 + B_noise/β)`: far below
+# steps S needed at a batch of β examples as `S = S_min·(1 + B_noise/β)`, with the learning
+# rate tuned to its best at each β (SGD; their §2.2): far below
 # B_noise, doubling β halves the steps (perfect scaling); far above it, doubling β saves
 # almost nothing, and the extra GPUs are wasted. The **critical batch size** is the knee between the two: the batch at
 # which training takes twice the fewest steps and twice the fewest examples (S = 2·S_min,
@@ -303,7 +304,8 @@ print("steps / fewest steps, at b = 16 per rank: " + ", ".join(
 claim(f"by this model, from 4 to 32 ranks (8× the GPUs) the steps fall only "
       f"{gain_4_to_32:.2f}×, not 8×", gain_4_to_32 < 2.5)
 viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
-         f"McCandlish et al.'s model S/S_min = 1 + B_noise/β evaluated (no training run), "
+         "McCandlish et al.'s model S/S_min = 1 + B_noise/β (learning rate tuned at each β) "
+         "evaluated (no training run), "
          f"with B_simple ≈ {b_simple:.0f} (measured above) standing in for B_noise: going from "
          f"4 to 32 data-parallel ranks of 16 examples cuts the steps {gain_4_to_32:.2f}×, not "
          "8× — past the critical batch, more data parallelism buys little.")
@@ -1089,8 +1091,9 @@ with viz.folded_output("▶ what the recorder recorded, and the claim"):
 # Real training runs combine the two kinds of parallelism: tensor parallelism inside a
 # group of GPUs, data parallelism across the groups. A `DeviceMesh` names the ranks as a
 # grid: 4 ranks as 2 × 2, dimension `dp` down, `tp` across. Each row is one tensor-parallel
-# MLP; the two rows are data-parallel replicas (FSDP2's `fully_shard` over the `dp`
-# dimension: lesson 08's ZeRO-3), each fed its half of every batch. `mesh["tp"]` is the
+# MLP; the two rows are data-parallel groups (FSDP2's `fully_shard` over the `dp`
+# dimension: lesson 08's ZeRO-3, each row holding half of every weight), each fed its half
+# of every batch. `mesh["tp"]` is the
 # one-dimensional mesh of this rank's row, `mesh["tp"].get_group()` its process group.
 #
 # The worker trains two versions for a few Adam steps next to one device on the whole

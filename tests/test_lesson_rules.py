@@ -9,7 +9,9 @@ notebooks.
   cell's source or any output's plain text, and in HTML only inside ``<details>``
   (``viz.show_code(..., folded="▶ label")``). A folded text cell (a hint, a reference answer's
   prose) is folded in its markdown, as one ``<details><summary>▶ label</summary>`` …
-  ``</details>`` block, never by the ``source_hidden`` flag alone, which GitHub ignores.
+  ``</details>`` block, never by the ``source_hidden`` flag alone, which GitHub ignores; and a
+  cell's outputs hidden by ``outputs_hidden`` are ``<details>`` blocks too
+  (``viz.folded_output``, ``viz.show(..., folded=)``), whatever they hold.
 * **Sources.** Every lesson ends with a ``## Sources`` list naming, for each statement about a
   framework's internals, the installed file it was checked in; every file named exists in the
   installed torch / tensorflow / keras.
@@ -308,6 +310,57 @@ def test_code_folded_by_the_flag_alone_is_found():
         cell('viz.show_code(ring.cost, folded="▶ code: ring.cost")'),
         cell("viz.show_code(ring.cost)", flag=False)])
     assert code_shown_by_flag_alone(nb) == [0]
+
+
+def _folded_in_every_viewer(output) -> bool:
+    """An output whose HTML is one ``<details>`` block and whose plain text holds none of it
+    (``viz.show_code(folded=)``, ``viz.folded_output``, ``viz.show(folded=)``); a widget, which
+    no static viewer draws, counts as folded too."""
+    data = output.get("data", {})
+    if "application/vnd.jupyter.widget-view+json" in data:
+        return True
+    return (output.get("output_type") in ("display_data", "execute_result")
+            and "<details" in "".join(data.get("text/html", ""))
+            and "[folded:" in "".join(data.get("text/plain", "")))
+
+
+def outputs_shown_by_flag_alone(nb) -> list[int]:
+    """The code cells folded by ``outputs_hidden`` with an output that GitHub prints in full:
+    a print or a claim's line, a PNG, plain text or Markdown outside a ``<details>`` block."""
+    return [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+            and authoring.folded(cell, "outputs_hidden")
+            and not all(_folded_in_every_viewer(o) for o in cell.outputs)]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_folded_outputs_are_folded_in_every_viewer(path):
+    """Whatever a cell's fold flag hides in JupyterLab is folded on GitHub too, which ignores
+    the flag: its prints and claims go through ``viz.folded_output``, its figures through
+    ``viz.show(..., folded=)``, its code through ``viz.show_code(..., folded=)``."""
+    bad = outputs_shown_by_flag_alone(nbformat.read(path, as_version=4))
+    assert not bad, (f"{path.name} cells {bad}: outputs folded by jupyter.outputs_hidden "
+                     "alone, which GitHub ignores: print inside viz.folded_output('▶ label'), "
+                     "show figures with viz.show(..., folded='▶ label')")
+
+
+def test_outputs_folded_by_the_flag_alone_are_found():
+    """The test above can fail: a flagged cell with a print or a PNG is found; a flagged cell
+    whose only output is a <details> bundle is not, nor an unflagged cell that prints."""
+    from dpcourse import viz
+
+    def cell(outputs, flag=True):
+        c = nbformat.v4.new_code_cell("...")
+        c.outputs = outputs
+        if flag:
+            c.metadata["jupyter"] = {"outputs_hidden": True}
+        return c
+    printed = nbformat.v4.new_output("stream", name="stdout", text="✔ an answer\n")
+    png = nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo="})
+    folded = nbformat.v4.new_output("display_data", data=viz.folded_code_bundle(
+        "<pre>✔ an answer</pre>", "▶ open after your lab passes", what="output"))
+    nb = nbformat.v4.new_notebook(cells=[cell([printed]), cell([png]), cell([folded]),
+                                         cell([printed], flag=False), cell([folded, printed])])
+    assert outputs_shown_by_flag_alone(nb) == [0, 1, 4]
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)

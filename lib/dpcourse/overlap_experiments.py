@@ -236,7 +236,8 @@ def ddp_buckets_worker(rank: int, world_size: int, settings) -> list[dict]:
     parameters' names per bucket as DDP made them at construction (``"first"``), after the
     first backward (``"first_backward"``), after the second forward (``"second_forward"``: the
     reducer rebuilds its buckets, in the order the first backward's gradients arrived, at the
-    start of the second forward, unless this DDP never rebuilds) and after two training steps
+    start of the next forward with gradients enabled, here the second, unless this DDP never
+    rebuilds) and after two training steps
     on ``cfg``'s data (``"after"``). Bucket 0 is the one DDP reduces first.
 
     Shown in lesson 07, §3.
@@ -280,7 +281,7 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     that a slow moment of the machine hits every run alike.
     A step's time is the median over ``cfg.steps`` steps after ``warmup`` untimed ones (DDP
     records the gradients' order in its first backward and rebuilds its buckets, allocating
-    new ones, at the start of its second forward: two warm-up steps keep that out of the
+    new ones, at the start of its next forward with gradients enabled: two warm-up steps keep that out of the
     timed ones), and so are its parts: the forward, the backward
     (until ``backward()`` returns), the synchronisation after it and the optimizer step. Each
     run also returns its last step's timeline on this rank, in ms since the backward began:

@@ -57,6 +57,7 @@ QUESTIONS = [
      "options": ["2×", "1.06×", "0.5×"],
      "answer": 1,
      "why": ["Only far below B_noise.",
-             "Right: (1 + 60/512)/(1 + 60/1024) ≈ 1.06.",
+             "Right, with the learning rate tuned at each batch size: "
+             "(1 + 60/512)/(1 + 60/1024) ≈ 1.06.",
              "More ranks never need more steps in this model."]},
 ]
