@@ -303,23 +303,24 @@ def ask_for_nccl(rank, world_size):
 
 
 nccl_here = launch.spawn(ask_for_nccl, 2, timeout=60)
-print("rank 0:", nccl_here[0])
 import torch.distributed as dist
 
-if not dist.is_nccl_available():   # a torch built without NCCL, such as the CPU-only wheel
-    claim("this torch was built without NCCL: init_process_group with NCCL for cuda tensors "
-          "fails on every rank with distributed_c10d's \"doesn't have NCCL built in\"",
-          all("RuntimeError: Distributed package doesn't have NCCL built in" in r
-              for r in nccl_here), nccl_here=nccl_here)
-elif report.gpu_count == 0:
-    claim("on this machine without GPUs, init_process_group with NCCL for cuda tensors fails on "
-          "every rank with ProcessGroupNCCL's error",
-          all("only supported with GPUs" in r for r in nccl_here), nccl_here=nccl_here)
-else:
-    claim("on this machine with GPUs, the same call forms the group on every rank (no "
-          "collective on a cuda tensor has run, so NCCL has connected nothing yet)",
-          all(r == "a group with NCCL for cuda tensors was formed" for r in nccl_here),
-          nccl_here=nccl_here)
+with viz.folded_output("▶ The first run"):
+    print("rank 0:", nccl_here[0])
+    if not dist.is_nccl_available():   # a torch built without NCCL, such as the CPU-only wheel
+        claim("this torch was built without NCCL: init_process_group with NCCL for cuda "
+              "tensors fails on every rank with distributed_c10d's \"doesn't have NCCL built in\"",
+              all("RuntimeError: Distributed package doesn't have NCCL built in" in r
+                  for r in nccl_here), nccl_here=nccl_here)
+    elif report.gpu_count == 0:
+        claim("on this machine without GPUs, init_process_group with NCCL for cuda tensors "
+              "fails on every rank with ProcessGroupNCCL's error",
+              all("only supported with GPUs" in r for r in nccl_here), nccl_here=nccl_here)
+    else:
+        claim("on this machine with GPUs, the same call forms the group on every rank (no "
+              "collective on a cuda tensor has run, so NCCL has connected nothing yet)",
+              all(r == "a group with NCCL for cuda tensors was formed" for r in nccl_here),
+              nccl_here=nccl_here)
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -341,17 +342,18 @@ import mmap
 from pathlib import Path
 
 nccl_spec = importlib.util.find_spec("nvidia.nccl")
-if nccl_spec is None:
-    print("(this torch was installed without NCCL's wheel: nothing to look into)")
-else:
-    nccl_lib = Path(list(nccl_spec.submodule_search_locations)[0]) / "lib" / "libnccl.so.2"
-    with open(nccl_lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
-        message = (b"Multiple Ranks are using the same GPU/Partition. "
-                   b"Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.")
-        found = lib.find(message) >= 0
-    claim("the installed NCCL library holds the message \"Multiple Ranks are using the same "
-          "GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.\", "
-          "which names the variable that lifts the refusal", found, library=str(nccl_lib))
+with viz.folded_output("▶ The second run"):
+    if nccl_spec is None:
+        print("(this torch was installed without NCCL's wheel: nothing to look into)")
+    else:
+        nccl_lib = Path(list(nccl_spec.submodule_search_locations)[0]) / "lib" / "libnccl.so.2"
+        with open(nccl_lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as lib:
+            message = (b"Multiple Ranks are using the same GPU/Partition. "
+                       b"Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.")
+            found = lib.find(message) >= 0
+        claim("the installed NCCL library holds the message \"Multiple Ranks are using the same "
+              "GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.\", "
+              "which names the variable that lifts the refusal", found, library=str(nccl_lib))
 
 
 # %% [markdown]
@@ -372,10 +374,11 @@ def backend_per_device(rank, world_size):
 
 
 per_device = launch.spawn(backend_per_device, 2, timeout=60)
-print("each rank's (group backend, backend for cpu tensors, sum):", per_device)
-claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors through gloo "
-      "(ProcessGroupGloo) on both ranks, and all_reduce gave 1 + 2",
-      per_device == [("cpu:gloo", "ProcessGroupGloo", 3.0)] * 2, per_device=per_device)
+with viz.folded_output("▶ The third run"):
+    print("each rank's (group backend, backend for cpu tensors, sum):", per_device)
+    claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors through "
+          "gloo (ProcessGroupGloo) on both ranks, and all_reduce gave 1 + 2",
+          per_device == [("cpu:gloo", "ProcessGroupGloo", 3.0)] * 2, per_device=per_device)
 
 # %% [markdown]
 # **When a rank fails.** Here rank 1 raises while rank 0 is busy for 30 s. `spawn` stops rank 0,

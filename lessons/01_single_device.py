@@ -152,12 +152,15 @@ claim("after zero_grad(set_to_none=True) every .grad is None",
 # %% [markdown]
 # ## Training for real
 #
-# Ten classes means a model that guesses is right 10% of the time, with a loss of
-# ln 10 ≈ 2.30. A few epochs on the CPU take us far past that. We use Adam here, whose
-# per-parameter step sizes need little tuning. (The later lessons' gradient comparisons hold for
-# any optimizer.)
+# Ten classes: guessing is right 10% of the time, and a model that outputs uniform
+# probabilities (1/10 each) has a loss of ln 10 ≈ 2.30. A few epochs on the CPU take us far
+# past both. We use Adam here, whose per-parameter step sizes need little tuning. (The later
+# lessons' gradient comparisons hold for any optimizer.)
 
 # %%
+uniform = loss_fn(torch.zeros(len(y), 10, device=device), y).item()  # equal logits: 1/10 each
+claim("equal logits (probabilities 1/10 each) give a loss of ln 10 ≈ 2.30",
+      np.isclose(uniform, np.log(10)), loss=uniform)
 devices.seed_everything(seed)
 cfg = train.TrainConfig(epochs=epochs, batch_size=batch_size, optimizer="adam", lr=lr, seed=seed,
                         device=str(device))
@@ -175,7 +178,7 @@ fig = viz.new_figure(9, 3.2)
 ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
 epochs_axis = [h["epoch"] + 1 for h in history]
 ax1.plot(epochs_axis, [h["train_loss"] for h in history], "o-", label="train loss")
-ax1.axhline(np.log(10), color="grey", ls=":", label="ln 10 (guessing)")
+ax1.axhline(np.log(10), color="grey", ls=":", label="ln 10 (uniform)")
 ax2.plot(epochs_axis, [h["test_acc"] for h in history], "o-", color="#2ca02c", label="test accuracy")
 ax2.axhline(0.1, color="grey", ls=":", label="chance")
 ax2.set_ylim(0, 1)
@@ -185,7 +188,7 @@ for ax in (ax1, ax2):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
 fig.subplots_adjust(left=0.07, right=0.98, bottom=0.16, top=0.95, wspace=0.25)
-viz.show(fig, "the training loss leaves the ln 10 line of a model that guesses, and test "
+viz.show(fig, "the training loss leaves the ln 10 line of uniform probabilities, and test "
               "accuracy climbs far above chance (10%).")
 
 # %%
@@ -228,10 +231,11 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 # threads that split one operation over the cores; why one: folded after the verdict); the
 # median of each size. A size is called faster or slower than another only when it won every
 # round (`train.compare_rates`; `train.rate_shape` applies the rule to each step from one
-# size to the next and names the shape), "no clear difference" otherwise. `ThroughputMeter`
-# (folded below) synchronizes a GPU before reading the clock (CUDA runs asynchronously), and
-# `train_one_epoch` times the training step alone: every rate in this lesson (the epochs of
-# `fit` above too) leaves the loader's time out.
+# size to the next and names the shape), "no clear difference" otherwise; `compare_rates` adds
+# a *sign test*'s p: how often equally fast sizes would split the rounds that lopsidedly by
+# chance. `ThroughputMeter` (folded below) synchronizes a GPU before reading the clock (CUDA
+# runs asynchronously), and `train_one_epoch` times the training step alone: every rate in
+# this lesson (the epochs of `fit` above too) leaves the loader's time out.
 #
 # So these rates do not say what fetching costs. The next section times it: batches sliced in
 # advance (a floor: no loader runs inside the clock), `make_loaders`' `DataLoader` (it gathers
@@ -362,12 +366,12 @@ viz.show(fig, "training throughput per batch size on this machine (the lines onl
 # every core waits for its slowest thread, so a busy neighbour taking one core can slow it
 # several-fold while a round's other runs escape (a reason, not a result: the neighbour is not
 # timed). **The rule** (`train.rate_verdict` with `outliers=0`) needs one size to win every round.
-# `compare_rates` prints a two-sided sign test's p: how often two equally fast settings would split the
-# rounds so lopsidedly (seven of seven: p = 0.0156; all but one, the default rule lesson 02
-# keeps, p = 0.125, one noise call in eight). The pair, smallest and largest batch, is chosen
-# before the run: testing the slowest and fastest after it would call noise a difference far
-# more often. `rate_shape` makes one test per step, so more chances for noise: the simulation
-# above the verdict counts how often noise alone names a shape under each rule.
+# The sign test (two-sided): seven rounds of seven give p = 0.0156; all but one, the default
+# rule lesson 02 keeps, p = 0.125, one noise call in eight. The pair, smallest and largest
+# batch, is chosen before the run: testing the slowest and fastest after it would call noise
+# a difference far more often. `rate_shape` makes one test per step, so more chances for
+# noise: the simulation above the verdict counts how often noise alone names a shape under
+# each rule.
 #
 # </details>
 

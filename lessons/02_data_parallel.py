@@ -489,9 +489,8 @@ claim("three steps replicated the model three times", tc.replicate_calls == 3)
 # How long does a replication take compared with the forward it serves? On a GPU box the copies
 # cross PCIe or NVLink; here they are memory copies plus building N module objects in Python.
 # That second part is *our* `replicate`'s: it deep-copies the module tree (`copy.deepcopy`).
-# Torch's builds each replica module with `Module._replicate_for_data_parallel`: a shallow copy
-# of the module's `__dict__` in which some of the module's own dicts are replaced. No tensor
-# is copied there, so its Python part is cheaper than ours. So torch's own
+# Torch's builds each replica module with `Module._replicate_for_data_parallel`, which copies
+# no tensor, so its Python part is cheaper than ours. So torch's own
 # `replicate` is timed too, called as a training step calls it (`detach=False`: its
 # differentiable `Broadcast`, Sources); on the CPU that GPU-only broadcast is replaced, for
 # the timing, by ours, one clone of the weights per extra device. All three run with grad mode
@@ -776,7 +775,8 @@ with viz.folded_output("▶ What it measured — open after your lab passes"):
 #   gather the outputs on device 0, and let the backward bring the replicas' gradients there.
 # - The replicas' gradients meet on the original parameters through the backward of the
 #   broadcast.
-# - Without GPUs the real `nn.DataParallel` silently just calls the module.
+# - Without an accelerator it can use (CUDA, XPU…; MPS counts as none) the real
+#   `nn.DataParallel` silently calls the module.
 # - After a training-mode forward the module's BatchNorm running statistics are not the whole
 #   batch's (section 2's claim). How the gradients combine, and why the statistics differ, are
 #   lab 02's questions (answers folded after its pointer).

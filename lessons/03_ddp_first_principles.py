@@ -8,9 +8,10 @@
 # - read a complete DDP training worker (process group, `DistributedDataParallel`, sharded
 #   data, the loop) and write its averaging step yourself;
 # - prove that averaging gradients by hand, DDP, and one process on the global batch agree;
-# - explain DDP's buckets — why, with one `bucket_cap_mb` and the default flags, the first
-#   iteration reduces a single bucket (the first two under `static_graph`) and how later buckets
-#   can overlap the backward — and measure how far a bucket can exceed its cap, from what you record;
+# - explain DDP's buckets — why, with a single cap (`bucket_cap_mb`, not a per-bucket list)
+#   and the default flags, the first iteration reduces a single bucket (the first two under
+#   `static_graph`) and how later buckets can overlap the backward — and measure how far a
+#   bucket can exceed its cap, from what you record;
 # - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
@@ -592,8 +593,8 @@ for it, seen in enumerate(runs[0]):
 first, second, third = runs[0]
 claim(f"the model ({model_bytes / 2**20:.2f} MiB) is larger than the bucket cap ({cap_mb} MiB)",
       model_bytes > cap_mb * 2**20)
-claim("iteration 0 (one bucket_cap_mb, default flags): ONE bucket holding all 10 parameters, "
-      "whatever bucket_cap_mb",
+claim("iteration 0 (a single cap, bucket_cap_mb, not a per-bucket list; default flags): ONE "
+      "bucket holding all 10 parameters, whatever bucket_cap_mb",
       len(first["buckets"]) == 1 and len(first["buckets"][0][0]) == 10)
 claim("from iteration 1 on: several buckets, the same on every later iteration",
       len(second["buckets"]) > 1 and [b[0] for b in second["buckets"]]
@@ -969,7 +970,7 @@ claim("SyncBatchNorm's forward only all-gathers (no all_reduce); its backward on
 # | | DataParallel | DDP |
 # |---|---|---|
 # | processes | 1 (threads, one GIL) | 1 per device |
-# | weights sent | every step, from device 0 | once, at the start, and again when a `Join` context (for uneven inputs) ends (buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
+# | weights sent | every step, from device 0 | once, at the start, and again when a `Join` context ends (`Join`: lesson 04's context manager in which ranks out of batches keep answering the others' collectives; buffers: before each forward whose previous forward ran with gradients enabled, outside `no_sync`) |
 # | gradients | summed onto device 0 | the same average on every rank (how: lab 03) |
 # | per-step traffic at the busiest device, numbers sent + received (K: the number of gradient values, as lesson 02 counted them; times 4 for bytes in float32) | 2(N−1)K for a naive parameter server (lesson 02's copy-one-by-one version) | 4(N−1)K/N with ring all-reduce (2(N−1)K/N each way; lesson 06 derives it) |
 # | overlap with backward | no | yes (buckets) |
@@ -1050,7 +1051,7 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # Reference, for after lab 03: how the reducer turns the ranks' gradients into their average —
 # which is why DDP and `average_gradients` agree bit for bit on 2 ranks and not on 3. Besides,
 # the run-time broadcasts `forward_sync_buffers` decides include one at the end of a `Join`
-# (lesson 04's context manager for ranks with unequal numbers of batches; the claim below).
+# (the claim below).
 #
 # **▶ How the reducer turns the ranks' gradients into their average — open after your lab
 # passes** (click the folded cell below; it is lab 03's part 1, done DDP's way).
@@ -1114,14 +1115,18 @@ hooked = launch.spawn(ddp.ddp_worker, 3, cfg3, ddp.sum_then_divide_hook, backend
                       timeout=120)[0]["grads"]
 layout = int((hooked != three["grads_manual"]).sum())  # same arithmetic, other layout
 scaling = int((hooked != three["grads_ddp"]).sum())    # same layout, scale first or divide after
-print(f"3 ranks, first-step gradients ({hooked.numel()} elements): {layout} differ between the "
-      f"hooked DDP and average_gradients, {scaling} between the hooked DDP and DDP's own path")
-claim("layout alone: DDP summing then dividing in its one flat bucket differs from "
-      "average_gradients' per-tensor all-reduces in the last bits", layout > 0, layout=layout)
-claim("scaling alone: in the same bucket, DDP's scale-first path differs from sum-then-divide",
-      scaling > 0, scaling=scaling)
-claim("both are last-bit rounding: the gradients agree to 1e-6",
-      max(float((hooked - three[k]).abs().max()) for k in ("grads_manual", "grads_ddp")) < 1e-6)
+with viz.folded_output(
+        "▶ The control run that tells layout from scaling — open after your lab passes"):
+    print(f"3 ranks, first-step gradients ({hooked.numel()} elements): {layout} differ between "
+          f"the hooked DDP and average_gradients, {scaling} between the hooked DDP and DDP's own "
+          "path")
+    claim("layout alone: DDP summing then dividing in its one flat bucket differs from "
+          "average_gradients' per-tensor all-reduces in the last bits", layout > 0, layout=layout)
+    claim("scaling alone: in the same bucket, DDP's scale-first path differs from "
+          "sum-then-divide", scaling > 0, scaling=scaling)
+    claim("both are last-bit rounding: the gradients agree to 1e-6",
+          max(float((hooked - three[k]).abs().max()) for k in ("grads_manual", "grads_ddp"))
+          < 1e-6)
 
 # %% [markdown]
 # ## Appendix: which collectives gloo runs on GPU tensors

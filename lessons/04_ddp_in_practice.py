@@ -812,9 +812,9 @@ viz.show_code(collectives.record_collectives, collectives.Recorder.wrap, collect
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 worker_src = inspect.getsource(launch.worker_entry).splitlines()
 stay = next(i for i, line in enumerate(worker_src) if "result_conn.send_bytes" in line) - 1
-viz.show_code("\n".join(line[4:] for line in worker_src[stay:]),
-              title="launch.spawn's worker, after the function returned (launch.worker_entry)",
-              folded="▶ code: the end of launch.worker_entry")
+viz.show_code("# launch.spawn's worker, after the function returned (launch.worker_entry)\n"
+              + "\n".join(line[4:] for line in worker_src[stay:]),
+              folded="▶ Where a returned rank waits: the end of launch.worker_entry")
 
 
 # %%
@@ -1704,14 +1704,15 @@ display(viz.folded_code_bundle(Code("\n".join(difflib.unified_diff(
 # </details>
 
 # %% [markdown]
-# **▶ `train_ddp.py`'s resume and save** (click the folded cell below).
+# **▶ `train_ddp.py`'s resume and save — open after your stretch passes** (the folded cell
+# below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 script_lines = train_ddp.read_text().splitlines()
 first = next(i for i, line in enumerate(script_lines) if line.strip() == "step = 0")
 last = next(i for i, line in enumerate(script_lines) if "os.kill(os.getpid()" in line)
-viz.show_code("\n".join(script_lines[first:last + 1]), title="train_ddp.py: resume and save",
-              folded="▶ The resume and save — open after your stretch passes")
+viz.show_code("# train_ddp.py: resume and save\n" + "\n".join(script_lines[first:last + 1]),
+              folded="▶ train_ddp.py's resume and save — open after your stretch passes")
 
 # %% [markdown]
 # ## Check yourself

@@ -1117,8 +1117,7 @@ from dpcourse import launch
 viz.show_code(mirrored.run_multiworker, mirrored.kill_worker,
               folded="▶ code: mirrored.run_multiworker, mirrored.kill_worker")
 viz.show_code(inspect.getsource(launch.kill_tree), inspect.getsource(launch.free_port),
-              title="launch.kill_tree and launch.free_port (dpcourse/launch.py)",
-              folded="▶ code: launch.kill_tree, launch.free_port")
+              folded="▶ code: launch.kill_tree, launch.free_port (dpcourse/launch.py)")
 
 # %%
 import os

@@ -5,7 +5,8 @@
 #
 # **You will be able to:**
 # - run a ring all-reduce step by step and say what each worker holds after each step;
-# - count its traffic, 2(N−1)K/N bytes per worker, and compare it with a parameter server, a
+# - count what each worker sends, 2(N−1)K/N bytes for a gradient of K bytes (lesson 03's K
+#   values × 4; half its sent + received count), and compare it with a parameter server, a
 #   tree and Rabenseifner's halving-doubling under the α-β cost model;
 # - measure α and β here, test them on a held-out world size, and predict GPU clusters'
 #   all-reduce times from published link speeds;
@@ -119,8 +120,7 @@ stepper = viz.ring_stepper(trace)
 # Each worker sends N−1 chunks in the scatter-reduce and N−1 in the all-gather, each K/N of
 # the K bytes: **2(N−1)K/N**. The count grows with N (K at N = 2, 1.75K at N = 8) but stays
 # **under 2K, a bound independent of N**. When N does not divide the length, the chunks differ
-# by one element, and each worker's count is within one element per step of the formula, as
-# the claim below checks for many N and sizes.
+# by one element, and each worker's count is within one element per step of the formula.
 #
 # **▶ How the simulator counts** (click the folded cell below: `RingTrace.elements_sent` adds
 # up every transfer a worker made; `bytes_sent` multiplies by the item size).
@@ -351,8 +351,7 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 #
 # * **Other programs.** Each size is timed several times, and a repetition can be slowed by
 #   anything else the machine runs. We fit the **fastest** repetition of each size, the least
-#   disturbed. (The run also times the course's
-#   own ring, §4's, taking turns with gloo's; the fit uses gloo's.)
+#   disturbed. (It also times §4's ring, taking turns with gloo's; the fit uses gloo's.)
 # * **Ranks sharing cores.** With more ranks than cores, ranks take turns on the cores, so every
 #   message and every copy takes longer by about N / cores. The model with a *contention term*
 #   multiplies the whole formula by max(1, N / C), with C the cores this process may use —
@@ -424,8 +423,7 @@ claim("with the contention term, half the measured points are within 50% of the 
 
 # %% [markdown]
 # **▶ The fit's code** (click the folded cell below: `ring.fit_alpha_beta`, least squares on
-# relative error — each row divided by its measured time — with the contention term
-# max(1, N/C) multiplying the whole formula; `ring.fit_alpha_beta_per_n`; and
+# relative error, with the contention term; `ring.fit_alpha_beta_per_n`; and
 # `ring.AlphaBetaFit`, whose `predict` every error and prediction here uses).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
@@ -448,11 +446,13 @@ else:
           f"{bench.format_size(int(ks[fit.relative_errors.argmax()]))}.")
 
 # %% [markdown]
-# The medians move with the machine's load: hence the claim's loose bound, 50%.
+# The median errors move with the machine's load: hence the claim's loose bound, 50%. The
+# model describes the fastest repetitions, not the medians of §4's table (typical ones,
+# scheduling delays on shared cores included).
 #
 # ### Using the model on machines we do not have here
 #
-# The same two numbers explain multi-GPU figures. Plug in **published link bandwidths** (their
+# Plug into the model **published link bandwidths** (their
 # inverse is a link's β: the wire alone, no additions) — and
 # an assumed α of 10 µs — to *predict* (a model, not a measurement) how long one all-reduce of ResNet-50's gradients (25.6 M float32 values, about 102 MB) takes on
 # 8 GPUs with a ring:
@@ -473,7 +473,7 @@ for name, bw in links.items():
 
 # %% [markdown]
 # NVLink's prediction is well under a millisecond; over PCIe or a network, several milliseconds
-# (how much of it a step pays: lesson 07, overlap). Also note: *if one link speed covers the
+# (how much of it a step pays: lesson 07, overlap). *If one link speed covers the
 # whole ring*, the bandwidth term 2(N−1)/N·K/B barely changes from 8 to 1024 GPUs — it tends to
 # 2K/B — while the latency term 2(N−1)α grows linearly. That condition is the model's:
 # `ring.cost` prices every step with one β (its code: the folded cell of §2), while a real
@@ -918,7 +918,11 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
         "matches both ratios to within ×1.5."
         if seen == {"about the same as"} else
         "Where a ratio is off the model's, something the model lacks (how the ranks were "
-        "scheduled, the rest of the machine's load) weighs on it."))
+        "scheduled, the rest of the machine's load) weighs on it.")
+        + f" Only ratios are compared: fitted to the fastest repetitions, the model predicts "
+        f"{float(fit.predict(lo_n, 2**10)) * 1e3:.2f} ms with {lo_n} ranks and "
+        f"{float(fit.predict(hi_n, 2**10)) * 1e3:.2f} ms with {hi_n}; the times above are "
+        "medians of each repetition's slowest rank, scheduling delays included: another quantity.")
 
 # %% [markdown]
 # For the full sweep (up to 64 MiB), run in a terminal:
@@ -1035,13 +1039,14 @@ def waits_for_its_segment(slots):
 
 
 done = {S: max(s.end for s in slots) for S, slots in timelines.items()}
-claim("in both timelines a segment leaves a rank only after it arrived there (and was added, "
-      "in the scatter-reduce), and it is the chunk that rank received the step before",
-      all(waits_for_its_segment(slots) for slots in timelines.values()))
-claim(f"whole chunks: 2(N−1) transfers and N−1 additions one after another, done at "
-      f"{done[1]:g}; in 4 segments every addition hides under the next segment's transfer, done at "
-      f"2(N−1) = {done[4]:g}",
-      done[1] == 2 * (N_PIPE - 1) + (N_PIPE - 1) * ADD and done[4] == 2 * (N_PIPE - 1))
+with viz.folded_output("▶ The timeline — open after your lab passes"):
+    claim("in both timelines a segment leaves a rank only after it arrived there (and was added, "
+          "in the scatter-reduce), and it is the chunk that rank received the step before",
+          all(waits_for_its_segment(slots) for slots in timelines.values()))
+    claim(f"whole chunks: 2(N−1) transfers and N−1 additions one after another, done at "
+          f"{done[1]:g}; in 4 segments every addition hides under the next segment's transfer, "
+          f"done at 2(N−1) = {done[4]:g}",
+          done[1] == 2 * (N_PIPE - 1) + (N_PIPE - 1) * ADD and done[4] == 2 * (N_PIPE - 1))
 first = next(s for s in timelines[4] if (s.kind, s.rank, s.step, s.segment) == ("add", 1, 1, 0))
 onward = next(s for s in timelines[4] if (s.kind, s.rank, s.step, s.segment) == ("send", 1, 2, 0))
 viz.show(viz.pipeline_figure(
@@ -1053,16 +1058,18 @@ viz.show(viz.pipeline_figure(
             f"j + 1 is on the wire, so no link ever idles. Segment 0.0 reaches rank 1, is added there "
             f"by {first.end:g} and leaves again at {onward.start:g}: what now decides the time "
             f"is the link, not the addition (the dotted line: the all-gather starts). The model "
-            f"charges no per-segment latency α, so more segments never cost more here.")
+            f"charges no per-segment latency α, so more segments never cost more here.",
+    folded="▶ The timeline's figure — open after your lab passes")
 
 # %% [markdown]
 # ## Summary
 #
 # - A ring all-reduce sends 2(N−1)K/N bytes per worker in 2(N−1) steps — bandwidth optimal,
 #   bounded by 2K whatever N — at the price of a latency term that grows with N.
-# - The α-β model, fitted to this machine (with a contention term for ranks
-#   that share cores), describes it within the error it prints — a median under 50% on a
-#   loaded 2-core machine; published link bandwidths turn it into predictions for GPU clusters.
+# - The α-β model, fitted to this machine's fastest all-reduces (with a contention term for
+#   ranks that share cores), describes them within the error it prints — a median error under
+#   50% on a loaded 2-core machine; published link bandwidths turn it into predictions for GPU
+#   clusters.
 # - A few dozen lines of point-to-point messages give a ring that equals `dist.all_reduce` and
 #   trains to DDP's weights, once their order leaves no rank waiting forever and no step's
 #   transfers in a chain (lab 06's design decision); cutting the chunks into segments lets the wire and the additions overlap.

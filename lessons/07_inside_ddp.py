@@ -301,20 +301,16 @@ claim(f"overlap.assign_buckets == the reducer's own bucket assignment of the par
 # section 4 draws, `copy_seconds` its copies' time per bucket for section 4's model;
 # `overlap=False` is section 4's control experiment.) How the hook knows that a bucket is
 # complete, and what the end of the step says about a bucket that never was, are lab 07's
-# part 2, so the rest of the class is folded.
-
-# %%
-viz.show_code("class BucketedDataParallel(nn.Module):   # the rest: folded below",
-              overlap.BucketedDataParallel._launch)
-
-# %% [markdown]
+# part 2, so the class is folded.
+#
 # **▶ The library's `BucketedDataParallel` — open after your lab passes** (its `__init__`, its
-# hook and `finish_gradient_synchronization`). Not the lab's
+# hook, `_launch` and `finish_gradient_synchronization`). Not the lab's
 # answer: lab 07's part 2 also launches strictly in bucket order and makes every gradient a
 # view of its bucket, which this class does not.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(overlap.BucketedDataParallel.__init__, overlap.BucketedDataParallel._grad_ready,
+              overlap.BucketedDataParallel._launch,
               overlap.BucketedDataParallel.finish_gradient_synchronization,
               folded="▶ The library's BucketedDataParallel — open after your lab passes")
 
@@ -331,11 +327,12 @@ viz.show_code(overlap.bucket_nbytes, folded="▶ overlap.bucket_nbytes: a bucket
 # rule closes a bucket).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-with viz.folded_output("▶ Each bucket's bytes — open after your lab passes"):
+with viz.folded_output("▶ Each bucket's bytes and parameters — open after your lab passes"):
     for i, b in enumerate(buckets):
         print(f"bucket {i}: {overlap.bucket_nbytes(b) / 1024:6.1f} KiB  {[names[p] for p in b]}")
-claim("the first bucket holds the last layer; the last bucket holds the first layer",
-      names[buckets[0][0]] == "classifier.4.bias" and names[buckets[-1][-1]] == "features.0.weight")
+    claim("the first bucket holds the last layer; the last bucket holds the first layer",
+          names[buckets[0][0]] == "classifier.4.bias"
+          and names[buckets[-1][-1]] == "features.0.weight")
 
 # %% [markdown]
 # Try it yourself, once your lab's part 1 passes: slide the bucket cap and watch how many
@@ -384,7 +381,8 @@ bucket_explorer = viz.explorer(
             f"share a bucket there, and why?), and from the model's "
             f"{overlap.bucket_nbytes(list(model.parameters())) / 1024:.0f} KiB on a single "
             f"all-reduce is left.",
-    description="bucket-size explorer")
+    description="bucket-size explorer",
+    folded="▶ The bucket-size explorer — open after your lab passes")
 
 # %%
 bucketed = launch.spawn(experiments.equality_worker, world_size, cfg, ("bucketed", "ddp"), cap_mb,
@@ -448,8 +446,9 @@ viz.show(viz.reducer_figure(),
 # `overlap=False` — the same asynchronous all-reduces of the same buffers, launched only once
 # `backward()` has returned. The runs are short (`timed_steps` steps) on a shared machine, so
 # they take their steps in **rounds** (step 1 of every run in shuffled order, then step 2
-# ...), compared round by round: "faster" or "slower" only when one run wins more rounds than
-# chance gives 5% of the time (a sign test), else "no clear difference"; "one bucket" and
+# ...), compared round by round, in pairs chosen before the run: "faster" or "slower" only
+# when one run wins more rounds than chance gives 5% of the time (a sign test), else "no
+# clear difference" (picking the extreme pair afterwards would raise that 5%); "one bucket" and
 # 25 MiB, identical work here, check that yardstick. `timing_worker` also records the last step's
 # timeline, and our class its copies per bucket. Real DDP runs with nothing of ours in its
 # path (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
@@ -947,8 +946,8 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 #   rank has up to three busy threads — the backward and two gloo workers — on the cores
 #   both ranks share: with fewer cores than busy threads, each all-reduce takes longer than
 #   alone, and so does the backward.
-# - **The "done" stamp is Python**: `BucketedDataParallel._launch` chains
-#   `work.get_future().then(...)` with a Python callback that appends the time. It runs only
+# - **The "done" stamp is Python**: a Python callback appends the time once the all-reduce
+#   completes (`BucketedDataParallel._launch`, folded in section 3). It runs only
 #   once it holds the GIL. `loss.backward()` runs with the GIL released (Sources) but for
 #   Python hooks, ours included, so there it usually gets it at once; while the main thread
 #   runs Python (hooks, optimizer step, loop) it waits up to the switch interval, 5 ms by
@@ -1022,18 +1021,14 @@ viz.show(fig, "the 4 MiB buckets, run against model: grey is the backward, each 
 # Why: step times depend on this machine and its load.
 for r in sweep:
     print(f"{cap_label(r['bucket_cap_mb']):>10}: {r['step_s'] * 1e3:6.1f} ms")
-pair = [r for r in sweep if r["bucket_cap_mb"] in (25, math.inf)]   # identical work
-one = min(pair, key=lambda r: r["step_s"])   # one bucket's work: the faster of the pair
-works = [r for r in sweep if r not in pair] + [one]
-best, worst = (f(works, key=lambda r: r["step_s"]) for f in (min, max))
-print(f"Noise floor (identical work, 25 MiB and one bucket): {noise_ms:.1f} ms. Fastest cap by "
-      f"median {cap_label(best['bucket_cap_mb'])} ({best['step_s'] * 1e3:.0f} ms), slowest "
-      f"{cap_label(worst['bucket_cap_mb'])} ({worst['step_s'] * 1e3:.0f} ms), round by round: "
-      f"{sweep_verdict(worst, best)}. One bucket's work ({cap_label(one['bucket_cap_mb'])}, the "
-      f"faster of the pair) against the fastest cap: "
-      f"{sweep_verdict(one, best) if one is not best else 'it is the fastest'}.")
-many = sweep[0]
-print(f"The smallest cap against one bucket's work: {sweep_verdict(many, one)}.")
+# The comparisons, fixed before the run (not picked from the results): one bucket's work is
+# the 25 MiB run (the first of the identical pair), against the middle and smallest caps
+one, mid, many = (by[("bucketed", c)] for c in (25, 4, sweep_caps[0]))
+print(f"Noise floor (identical work, 25 MiB and one bucket): {noise_ms:.1f} ms. Round by "
+      f"round, the middle cap ({cap_label(mid['bucket_cap_mb'])}) against one bucket's work "
+      f"(25 MiB): {sweep_verdict(mid, one)}; the smallest cap ({cap_label(many['bucket_cap_mb'])}) "
+      f"against one bucket's work: {sweep_verdict(many, one)}; against the middle cap: "
+      f"{sweep_verdict(many, mid)}.")
 viz.show(viz.bucket_sweep_figure(sweep, noise_ms, counts=False),
          "step time (median) against the bucket cap, the black line the rounds' middle half; "
          "the grey band, the noise floor (identical work's typical difference in a round), rises "
@@ -1055,14 +1050,16 @@ viz.show(viz.bucket_sweep_figure(sweep, noise_ms, counts=False),
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # Why: the α term is this machine's fit.
-for r in sweep:
-    print(f"{cap_label(r['bucket_cap_mb']):>10}: {r['collectives_per_step']:4d} all-reduces")
-alpha_ms = many["collectives_per_step"] * 2 * (world_size - 1) * fit.alpha * 1e3
-print(f"The α term of the smallest cap's {many['collectives_per_step']} all-reduces, "
-      f"{many['collectives_per_step']} × 2(N−1)α = {alpha_ms:.1f} ms, is what the model "
-      f"charges them beyond their bytes.")
+label = "▶ The all-reduces per step at each cap — open after your lab's part 1 passes"
+with viz.folded_output(label):
+    for r in sweep:
+        print(f"{cap_label(r['bucket_cap_mb']):>10}: {r['collectives_per_step']:4d} all-reduces")
+    alpha_ms = many["collectives_per_step"] * 2 * (world_size - 1) * fit.alpha * 1e3
+    print(f"The α term of the smallest cap's {many['collectives_per_step']} all-reduces, "
+          f"{many['collectives_per_step']} × 2(N−1)α = {alpha_ms:.1f} ms, is what the model "
+          f"charges them beyond their bytes.")
 viz.show(viz.bucket_sweep_figure(sweep, noise_ms),
-         "the same bars, labelled with all-reduces per step.")
+         "the same bars, labelled with all-reduces per step.", folded=label + ": the figure")
 
 # %% [markdown]
 # ### The three versions and real DDP

@@ -204,12 +204,13 @@ viz.show_code(zero.Zero1.__init__, zero.Zero1.gradient_slice, zero.Zero1.step)
 # library's pieces of the lab are folded behind ▶ labels.
 
 # %% [markdown]
-# **▶ The flat-shard helpers (`reduce_scatter_mean` and its neighbours) — open after your lab passes** (click the folded cell below).
+# **▶ The flat-shard helpers, ZeRO-1's substrate (not lab 08's answer: open them any
+# time)** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
               zero.all_gather_flat, zero.copy_flat_into,
-              folded="▶ The flat-shard helpers — open after your lab passes")
+              folded="▶ The flat-shard helpers (ZeRO-1's substrate; not lab 08's answer)")
 
 # %% [markdown]
 # **▶ `Zero2` whole, where its `step()` sends the gradients — open after your lab passes**
@@ -277,12 +278,14 @@ claim("when the backward returns, this ZeRO-2 holds every full gradient: the sam
 # passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-print("before step()'s collective:", at_collective)
 flat = 4 * zero.shard_numel(n_params, world_size) * world_size   # the padded copy, in bytes
 sharded = 4 * n_params + flat + flat // world_size
-claim("inside step() every p.grad is still alive beside the flat copy step() sends: DDP 2 × 4Ψ, "
-      "ZeRO-1 and ZeRO-2 4Ψ + the padded copy + the slice it receives",
-      at_collective == {"ddp": 8 * n_params, "zero1": sharded, "zero2": sharded})
+with viz.folded_output("▶ The gradient bytes inside step(), before its collective — open after "
+                       "your lab passes"):
+    print("before step()'s collective:", at_collective)
+    claim("inside step() every p.grad is still alive beside the flat copy step() sends: DDP "
+          "2 × 4Ψ, ZeRO-1 and ZeRO-2 4Ψ + the padded copy + the slice it receives",
+          at_collective == {"ddp": 8 * n_params, "zero1": sharded, "zero2": sharded})
 
 # %% [markdown]
 # ## 4. ZeRO-3: shard the weights too (what FSDP does)
@@ -639,21 +642,25 @@ from torch.distributed.fsdp import FSDPModule
 
 group_src = inspect.getsource(FSDPParamGroup.post_backward)
 final_src = inspect.getsource(FSDPState._root_post_backward_final_callback)
-claim("FSDP2's post_backward drops the earlier groups' reduce-scatter inputs (after a wait on "
-      "their event) before its own foreach_reduce, then keeps its own; the root's final "
-      "callback drops the rest, on the last backward only; the default cap is 1, set through "
-      "FSDPModule.set_reduce_scatter_max_input_buffers; only a call's last parameter group drops",
-      "self._param_group_index == self._num_param_groups - 1" in group_src
-      and "fsdp_param_group.reduce_scatter_max_input_buffers" in inspect.getsource(
-          FSDPModule.set_reduce_scatter_max_input_buffers)
-      and "fsdp_param_group.reduce_scatter_max_input_buffers" in inspect.getsource(
-          FSDPState._init_shared_state)
-      and group_src.index("wait_event(oldest.event)") < group_src.index("del oldest")
-      < group_src.index(") = foreach_reduce(") < group_src.index("reduce_scatter_states.append(")
-      and "self._comm_ctx.reduce_scatter_states.clear()" in final_src
-      and final_src.rindex("if self._state_ctx.is_last_backward:")
-      < final_src.index("self._comm_ctx.reduce_scatter_states.clear()")
-      and "self.reduce_scatter_max_input_buffers: int = 1" in inspect.getsource(FSDPCommContext))
+with viz.folded_output("▶ That order, read in the installed torch — open after your lab passes"):
+    claim("FSDP2's post_backward drops the earlier groups' reduce-scatter inputs (after a wait "
+          "on their event) before its own foreach_reduce, then keeps its own; the root's final "
+          "callback drops the rest, on the last backward only; the default cap is 1, set "
+          "through FSDPModule.set_reduce_scatter_max_input_buffers; only a call's last "
+          "parameter group drops",
+          "self._param_group_index == self._num_param_groups - 1" in group_src
+          and "fsdp_param_group.reduce_scatter_max_input_buffers" in inspect.getsource(
+              FSDPModule.set_reduce_scatter_max_input_buffers)
+          and "fsdp_param_group.reduce_scatter_max_input_buffers" in inspect.getsource(
+              FSDPState._init_shared_state)
+          and group_src.index("wait_event(oldest.event)") < group_src.index("del oldest")
+          < group_src.index(") = foreach_reduce(")
+          < group_src.index("reduce_scatter_states.append(")
+          and "self._comm_ctx.reduce_scatter_states.clear()" in final_src
+          and final_src.rindex("if self._state_ctx.is_last_backward:")
+          < final_src.index("self._comm_ctx.reduce_scatter_states.clear()")
+          and "self.reduce_scatter_max_input_buffers: int = 1"
+          in inspect.getsource(FSDPCommContext))
 
 # %% [markdown]
 #

@@ -87,11 +87,12 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 # %% [markdown]
 # <details><summary>▶ TensorFlow's ParameterServerStrategy, from its source</summary>
 #
-# Each worker and parameter server task runs a `tf.distribute.Server` and only `join()`s;
-# all training code runs on a *coordinator* (not a worker), which creates the variables and
-# sends `tf.function`s to the workers, which read and update the variables on the servers:
-# asynchronous by default. Variables go round-robin over the servers; a *partitioner*
-# (optional) cuts one variable into shards. A failed worker's function is requeued.
+# Workers and parameter servers run a `tf.distribute.Server` and only `join()`; a
+# *coordinator* (not a worker) runs all training code, creates the variables and sends
+# `tf.function`s to the workers, which read and update the variables on the servers:
+# always asynchronous across workers (replicas in sync only within a worker's GPUs). Variables
+# go round-robin over the servers; an optional *partitioner* cuts one into shards. A failed worker's
+# function is requeued.
 #
 # </details>
 
@@ -211,7 +212,7 @@ viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
 # **Asynchronous mode** drops the wait: the server applies each gradient the moment it
 # arrives and sends the new weights back to that worker alone. No worker waits for the slowest
 # (here the last one sleeps a little per gradient, a straggler), only for its own round trip
-# to the server, which includes waiting behind other workers' pushes: the server takes one
+# to the server, which can include waiting behind other workers' pushes: the server takes one
 # at a time, so with many fast workers that queue grows with N. The price: while a
 # worker computed, others pushed, so its gradient was computed on weights that are now
 # several updates old — it is **stale**. Each message carries the version of the weights
@@ -239,13 +240,14 @@ claim("and it trained: the test loss fell",
 # **What does not waiting buy?** The last run's straggler slept 2 ms: too little to see. Now a
 # bigger one: two workers, the second sleeping 50 ms per gradient (`time.sleep`). A sleeping
 # process frees its core; a busy straggler would share the 2 cores with the others, and the
-# gain could be smaller. Each mode gets the same **1 second of wall-clock time** to start work in (what is in
-# flight then still lands: both end a little later, printed below). Synchronous, every round waits
-# for the straggler; asynchronous, the fast worker pulls, computes and pushes on its own. Each
-# worker records when it computes and when it waits (for the server's next message); the
-# straggler's sleep is a span of its own (pink in the timeline), apart from its computing.
-# `straggler_race` (last below) runs both modes from the same weights `w0`, each after a
-# barrier that sets its clock's origin, and evaluates each mode's test loss.
+# gain could be smaller. Each mode gets the same **1 second of wall-clock time** to start work
+# in (what is in flight then still lands: both end a little later, in the folded output
+# below). Synchronous, every round waits for the straggler; asynchronous, the fast
+# worker pulls, computes and pushes on its own. Each worker records when it computes and when
+# it waits (for the server's next message); the straggler's sleep is a span of its own (pink
+# in the timeline), apart from its computing.
+# `straggler_race` (last below) runs both modes from the same weights `w0`, each timed from
+# a barrier, and evaluates their test losses.
 
 # %%
 viz.show_code(parameter_server.race_server, parameter_server.race_worker,
@@ -280,8 +282,8 @@ long_ms = [x for x in wait_ms if x > 10 * wait_med]                      # the s
 print(f"Asynchronous removed the wait for the straggler, not the round trip: the fast worker "
       f"still waited {waited['async'][1]:.0%} of its time, {wait_mean:.1f} ms from each push to "
       f"the server's answer against {statistics.mean(compute_ms):.1f} ms computing (means; "
-      f"median wait {wait_med:.2f} ms). A wait holds the round trip and any time the server or "
-      f"this worker was not running, on {os.cpu_count()} cores shared by 3 processes and this notebook")
+      f"median wait {wait_med:.2f} ms). A wait holds the round trip and can include time the "
+      f"server or this worker was not running, on {os.cpu_count()} cores shared by 3 processes and this notebook")
 slow_ms = statistics.median(1e3 * (b - a) for k, a, b in race[2]["async"]["spans"] if k == "compute")
 claim(f"the straggler computed a gradient in {slow_ms:.1f} ms (median), then slept "
       f"{1e3 * race_cfg.straggler_delay:g} ms: its sleep, not its computing, makes it slow",
@@ -920,7 +922,10 @@ viz.quiz(quizzes.questions("09"))
 #   `rpc_sync`: remote calls between processes.
 # - TensorFlow 2.21: `tensorflow/python/distribute/parameter_server_strategy_v2.py` —
 #   `ParameterServerStrategyV2`: "By default, workers read and update these variables
-#   independently without synchronizing with each other" (asynchronous training), "Each
+#   independently without synchronizing with each other" (asynchronous training), and there
+#   is no other way across workers: `_num_replicas_in_sync` returns
+#   `self._num_gpus_per_worker or 1`, and `_distribute_datasets_from_function` says "There is
+#   no synchronization beyond a worker"; "Each
 #   worker and parameter server runs a `tf.distribute.Server`" with a coordinator (not torch's
 #   rpc; "the coordinator is not one of the training workers", it "creates resources such as
 #   variables"), and a "worker" or "ps" task's example code ends in `server.join()`, "waiting for

@@ -75,7 +75,8 @@ viz.show_code(launch.LaunchTimeoutError, folded="▶ launch.LaunchTimeoutError: 
 # cross-rank tool, `torchfrtrace` (installed with torch), merges every rank's dump of the
 # *flight recorder* (each process's record of its last collectives, section 2) and names the
 # ranks missing from a collective. But the recorder lives in the process's memory: NCCL dumps
-# it on a timeout; otherwise only the experimental `start_debug_server` writes it out (Sources).
+# it on a timeout, an NCCL error or a stuck watchdog; otherwise a process reads its own
+# (`_dump_fr_trace`, section 2) or the experimental `start_debug_server` writes it out (Sources).
 #
 # What the course adds, in `dpcourse.detectors`, is **the collective trace**: on every rank,
 # each `dist.<collective>` call as it starts, with the line of your code that made it, and when
@@ -315,12 +316,13 @@ claim("and it names the two operations", ops == ["ALLREDUCE", "BROADCAST"])
 # **The flight recorder** is on by default in this torch: every process keeps its last 2000
 # collectives (`TORCH_FR_BUFFER_SIZE` changes the size, 0 turns it off) in a ring buffer,
 # which `_dump_fr_trace` returns (a private API: `torchfrtrace` reads the files NCCL dumps).
-# Below, nothing is set in the environment. Each entry has a `state` and a `retired` flag
+# Each entry has a `state` and a `retired` flag
 # (set when the backend drops the work from its pending list: on gloo, as run here, when the
 # work finishes, a moment after the call returns; on NCCL, "a retired but not completed event
 # has timed out", says the recorder's header), and the dump a `pg_status`:
 # the last collective enqueued and the last completed. After the fixed bug 2's two calls,
-# rank 0 reads its recorder while it waits alone in a third all-reduce. On gloo the states
+# rank 0 reads its recorder while its third all-reduce, issued with `async_op=True`, is still
+# pending (a thread blocked in the call could not read it). On gloo the states
 # stay "scheduled", but "retired" tells you where a rank stopped. (On NCCL, the watchdog marks
 # an entry completed when the GPU work's end event has fired. It can mark one started only where a
 # start event was recorded, and ProcessGroupNCCL records start events only with
@@ -346,7 +348,7 @@ def flight_recorder(rank, world_size):
         store.wait(["dumped"])            # join call 3 only once rank 0 has read its recorder
         dist.all_reduce(torch.ones(1))
         return None
-    work = dist.all_reduce(torch.ones(1), async_op=True)     # call 3: rank 0 waits in it alone
+    work = dist.all_reduce(torch.ones(1), async_op=True)     # call 3: pending, rank 1 not in it
     for _ in range(200):                  # (a call is retired a moment after it returns)
         dump = pickle.loads(c10d._dump_fr_trace(True, True, False))
         if all(e["retired"] for e in dump["entries"][:2]):
@@ -372,8 +374,8 @@ claim("by default, on gloo, the flight recorder holds the three collectives, in 
       [e[:2] for e in entries] == [("gloo:all_reduce", 1), ("gloo:broadcast", 2),
                                    ("gloo:all_reduce", 3)])
 claim("their states all stay \"scheduled\"", {e[2] for e in entries} == {"scheduled"})
-claim("but the call rank 0 is waiting in is the one entry not retired, and pg_status agrees: "
-      "call 3 is the last enqueued, not completed",
+claim("but the pending call 3 (async_op=True) is the one entry not retired, and pg_status "
+      "agrees: call 3 is the last enqueued, not completed",
       [e[3] for e in entries] == [True, True, False]
       and pg_status["last_enqueued_collective"] == 3 > pg_status["last_completed_collective"],
       pg_status=pg_status)
@@ -468,7 +470,7 @@ claim("the message is the installed libtorch_cpu.so's own (ProcessGroupGloo::mon
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (or `dist.set_debug_level` before the group is created) | wraps each process group in a `ProcessGroupWrapper` with a gloo helper group: before **every** collective the ranks pass a monitored barrier and compare the call's fingerprint (op, shapes, dtypes); a missing rank or a mismatch becomes an error naming them. It costs time on every call | works: bugs 1 and 2 above, with its cost measured |
 # | `init_process_group(..., timeout=timedelta(seconds=...))` | how long a collective may wait (default: 10 min for a bare `"nccl"` group, 30 min for any other string, `"cpu:gloo,cuda:nccl"` included, claimed above: pass it yourself). **gloo**: the blocked call raises. **NCCL**, communicator formed: the call returned at once; the watchdog tears the process down at the timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, default 3); `wait()` raises only with `TORCH_NCCL_BLOCKING_WAIT=1` or `work.wait(timeout)` | gloo: bug 1 above; NCCL: the figure above |
 # | `TORCH_DIST_NAN_CHECK=1` (any backend; NCCL also reads `TORCH_NCCL_NAN_CHECK`), off by default | a collective first checks its input; the rank holding a NaN raises "NaN found in input tensor." | works: bug 7 below |
-# | the flight recorder | **on by default** (above). On NCCL dumped on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_ENABLE_MONITORING`: on by default, `ProcessGroupNCCL.cpp`) to `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) plus the rank, by default `~/.cache/torch/comm_lib_trace_rank_<rank>` (`$XDG_CACHE_HOME/torch/…` when set; checked below), merged with `torchfrtrace` | records on gloo too, with which calls finished (bug 2 above); the automatic dump on timeout is NCCL-only |
+# | the flight recorder | **on by default** (above). On NCCL dumped on a timeout, an NCCL error or a watchdog without heartbeat (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_NCCL_ENABLE_MONITORING`: on by default, `ProcessGroupNCCL.cpp`) to `TORCH_FR_DUMP_TEMP_FILE` (older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`) plus the rank, by default `~/.cache/torch/comm_lib_trace_rank_<rank>` (`$XDG_CACHE_HOME/torch/…` when set; checked below), merged with `torchfrtrace` | records on gloo too, with which calls finished (bug 2 above); the automatic dump is NCCL-only |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=ALL` for more) | NCCL prints its set-up: interfaces, rings, transports, and its errors — the first thing to read when NCCL hangs at start-up on a cluster | GPU only: nothing to show here |
 # | `py-spy dump --pid PID` | the Python stack of a running process, from outside (it pauses the process while it reads, unless `--nonblocking`; it needs ptrace permission, which containers often withhold): the line a hung rank waits on | not a course dependency; `pip install py-spy` on your own machine. The course uses Python's built-in `faulthandler` instead (`diagnose`, section 1) |
 
@@ -545,10 +547,10 @@ claim("rank 1 left the loop and its program ended; rank 0, waiting in the next a
 
 # %% [markdown]
 # ## 3. Bugs that finish — with the wrong answer
-# These are worse: nothing hangs, nothing crashes, the loss may even look fine. They need a
-# detector that compares the ranks. All seven (bugs 4 to 10) run, broken and fixed, in **one**
-# launch (`bugzoo.zoo_worker`), with extra runs for bugs 6 and 9 (the launch's cell names every
-# run); each returns what its detector needs. They share one small model and
+# These are worse: nothing hangs, the loss may even look fine, and only bug 9 crashes, at the
+# second step, far from its cause. Most need a detector that compares the ranks. All seven
+# (bugs 4 to 10) run, broken and fixed, in **one** launch (`bugzoo.zoo_worker`), with extra
+# runs for bugs 6 and 9; each returns what its detector needs. They share one small model and
 # each rank's own batches (different per rank, the same on every run):
 
 # %%
@@ -1184,7 +1186,7 @@ viz.show_code(bugzoo.all_ranks_finite,
 # | a collective on some ranks only | hang | `diagnose`: stuck rank, its call and line; `monitored_barrier` or DETAIL: the rank that never came | every rank calls every collective |
 # | collectives in different orders | hang (gloo, here) | trace mismatch; `TORCH_DISTRIBUTED_DEBUG=DETAIL` | one order on every rank |
 # | rank-dependent control flow | hang after some steps | trace: one rank made more calls; `monitored_barrier`: the rank that left | decide together (all-reduce the decision) |
-# | a checkpoint loaded on one rank after DDP's constructor | replicas never agree | weight checksums across ranks | every rank loads it (or load before wrapping) |
+# | a checkpoint loaded on one rank after DDP's constructor | replicas never agree | weight checksums across ranks | every rank loads it |
 # | loss averaged, not gradients | log looks fine, replicas drift | gradient / weight checksums | average the gradients |
 # | BatchNorm statistics per rank | checkpoints and, without DDP's buffer sync, evaluations differ | buffer checksums | SyncBatchNorm (CUDA, HPU, XPU or PrivateUse1 input, in training); averaged buffers agree, but their variance is not the global batch's; DDP's buffer sync leaves them apart after the last step |
 # | NaN on one rank | NaN everywhere | first non-finite *local* value; `TORCH_DIST_NAN_CHECK=1` | check finiteness together, skip together |
@@ -1248,7 +1250,7 @@ viz.quiz(quizzes.questions("10"))
 #   `retired_ = true` when the backend retires the work, the dump writes it as `retired`,
 #   `getPgStatus` writes `last_enqueued_collective`, `last_started_collective` and
 #   `last_completed_collective`; each entry's `frames` (the calling stack) with
-#   `includeStackTraces`.
+#   `includeStackTraces`; `torch/lib/libtorch_python.so` — `_dump_fr_trace`, its Python binding.
 # - `ProcessGroupNCCL.cpp` (pytorch/pytorch, the source of the installed `libtorch_cuda.so`;
 #   not shipped in the wheel) — `WorkNCCL::wait`: "In case of blockingWait or a timeout value is
 #   specified by the user, we block the CPU thread"; the `HeartbeatMonitor` constructor:
@@ -1266,6 +1268,9 @@ viz.quiz(quizzes.questions("10"))
 #   the process down on an error; the default, 3, is SkipCleanUp: its comment and the
 #   `ErrorHandlingMode` enum), the `Watchdog` class, `TORCH_NCCL_DUMP_ON_TIMEOUT` (its comment:
 #   it must be set with `TORCH_NCCL_ENABLE_MONITORING=1` and a trace buffer above 0),
+#   `dumpOnTimeoutOrEx_` (dump "on exception including both watchdog timeout and nccl
+#   errors"), `HeartbeatMonitor`'s thread (with no watchdog heartbeat it dumps debug info) and
+#   `shouldDump_` (its three conditions),
 #   `kProcessGroupNCCLDefaultTimeout` (10 minutes).
 # - `torch-2.14.1.dist-info/entry_points.txt` — the `torchfrtrace` command,
 #   `torch.distributed.flight_recorder.fr_trace:main`;

@@ -214,9 +214,10 @@ def saved_by_linear(x):
 
 data = torch.randn(8, 48)
 as_data, as_leaf = saved_by_linear(data), saved_by_linear(data.clone().requires_grad_())
-claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradient: {as_data} "
-      f"for data, {as_leaf} for an input that requires one",
-      (48, 48) not in as_data and (48, 48) in as_leaf)
+with viz.folded_output("▶ Which three, checked — open after lab 11's part 6 passes"):
+    claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradient: "
+          f"{as_data} for data, {as_leaf} for an input that requires one",
+          (48, 48) not in as_data and (48, 48) in as_leaf)
 
 # %% [markdown]
 # Recomputation rescues the memory (section 5's planner counts it: about 20 GB per GPU on
@@ -231,9 +232,9 @@ claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradie
 # batch gives a less noisy gradient, so fewer steps reach a given loss — but only up to a
 # point. McCandlish et al. ("An Empirical Model of Large-Batch Training", 2018) model the
 # steps S needed at a batch of β examples as `S = S_min·(1 + B_noise/β)`, with the learning
-# rate tuned to its best at each β (SGD; their §2.2): far below
+# rate tuned for each β (SGD, their §2.2): far below
 # B_noise, doubling β halves the steps (perfect scaling); far above it, doubling β saves
-# almost nothing, and the extra GPUs are wasted. The **critical batch size** is the knee between the two: the batch at
+# almost nothing: the extra GPUs are wasted. The **critical batch size** is the knee between the two: the batch at
 # which training takes twice the fewest steps and twice the fewest examples (S = 2·S_min,
 # E = 2·E_min, the examples E = β·S); in this model it is B_noise itself, and in their
 # experiments the critical batch found by training at many batch sizes tracks the noise
@@ -503,10 +504,6 @@ claim("the gradient of the input == the plain MLP's (to 1e-6)",
 # parameter is held is part of lab 11's answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-claim("the worker's own check, with its slices: every rank's weight and bias gradients == the "
-      "same slice of the plain MLP's (to 1e-6)", max(r["grad_diff"] for r in tp_runs) < 1e-6)
-
-
 def put_together(pieces, full_shape):
     """The ranks' pieces joined along the one dimension where they are smaller than the full
     tensor; a piece that is whole on every rank is returned as it is."""
@@ -516,13 +513,18 @@ def put_together(pieces, full_shape):
 
 joined = [put_together([r["grads"][i] for r in tp_runs], full.shape)
           for i, full in enumerate(r0["plain_grads"])]
-claim("checked here, without the worker's slices: each parameter's gradients, joined across "
-      "the ranks where they are cut, == the plain MLP's whole gradient (to 1e-6), and a "
-      "gradient that is not cut is the same on every rank",
-      all(torch.allclose(j, full, atol=1e-6) for j, full in zip(joined, r0["plain_grads"]))
-      and all(torch.allclose(r["grads"][i], r0["grads"][i], atol=1e-6)
-              for i, full in enumerate(r0["plain_grads"])
-              if r0["grads"][i].shape == full.shape for r in tp_runs))
+with viz.folded_output("▶ The gradients, checked with the worker's slices and joined across "
+                       "the ranks without them — open after your lab passes"):
+    claim("the worker's own check, with its slices: every rank's weight and bias gradients == "
+          "the same slice of the plain MLP's (to 1e-6)",
+          max(r["grad_diff"] for r in tp_runs) < 1e-6)
+    claim("checked here, without the worker's slices: each parameter's gradients, joined "
+          "across the ranks where they are cut, == the plain MLP's whole gradient (to 1e-6), "
+          "and a gradient that is not cut is the same on every rank",
+          all(torch.allclose(j, full, atol=1e-6) for j, full in zip(joined, r0["plain_grads"]))
+          and all(torch.allclose(r["grads"][i], r0["grads"][i], atol=1e-6)
+                  for i, full in enumerate(r0["plain_grads"])
+                  if r0["grads"][i].shape == full.shape for r in tp_runs))
 
 # %% [markdown]
 # **▶ The collectives of each pass, counted — open after your lab passes**. It proves, from
@@ -531,13 +533,14 @@ claim("checked here, without the worker's slices: each parameter's gradients, jo
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 act_bytes = cfg.tokens * cfg.d * 4
-print("forward:", r0["forward"], " backward:", r0["backward"], " (op, elements, bytes)")
-claim(f"the input requires a gradient here, as it would after another layer: one all-reduce "
-      f"in the forward (g) and one in the backward (f), each of the activations' "
-      f"size: tokens × d = {cfg.tokens} × {cfg.d} floats ({act_bytes} bytes)",
-      all(r["forward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
-          and r["backward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
-          for r in tp_runs))
+with viz.folded_output("▶ The collectives of each pass, counted — open after your lab passes"):
+    print("forward:", r0["forward"], " backward:", r0["backward"], " (op, elements, bytes)")
+    claim(f"the input requires a gradient here, as it would after another layer: one "
+          f"all-reduce in the forward (g) and one in the backward (f), each of the activations' "
+          f"size: tokens × d = {cfg.tokens} × {cfg.d} floats ({act_bytes} bytes)",
+          all(r["forward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
+              and r["backward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
+              for r in tp_runs))
 
 # %% [markdown]
 # <details><summary>▶ Tensor parallelism's messages weighed against data parallelism's, here
@@ -555,15 +558,17 @@ claim(f"the input requires a gradient here, as it would after another layer: one
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 dp_bytes = cfg.num_params * 4
 tp_one = cfg.tokens * cfg.d * 4
-print(f"this MLP: DP all-reduces {dp_bytes} bytes per step; one TP message is over "
-      f"{tp_one} ({tp_one / dp_bytes:.2f}×)")
 d_gpt, s_gpt = gpt3.hidden, gpt3.seq_len
 mlp_params = 8 * d_gpt * d_gpt
 tp_elems = s_gpt * d_gpt
-claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: one tensor-parallel "
-      f"message is over s·d = {tp_elems / 1e6:.0f} M numbers, data parallelism the "
-      f"{mlp_params / 1e9:.2f} B weights' gradients once per step — "
-      f"{mlp_params / tp_elems:.0f}× one sequence's", mlp_params / tp_elems > 20)
+with viz.folded_output("▶ Tensor parallelism's messages weighed against data parallelism's, "
+                       "here and in GPT-3's MLP — open after your lab passes"):
+    print(f"this MLP: DP all-reduces {dp_bytes} bytes per step; one TP message is over "
+          f"{tp_one} ({tp_one / dp_bytes:.2f}×)")
+    claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: one tensor-parallel "
+          f"message is over s·d = {tp_elems / 1e6:.0f} M numbers, data parallelism the "
+          f"{mlp_params / 1e9:.2f} B weights' gradients once per step — "
+          f"{mlp_params / tp_elems:.0f}× one sequence's", mlp_params / tp_elems > 20)
 
 # %% [markdown]
 # A real step holds many sequences. Section 5's published run splits its batch over D
@@ -649,17 +654,20 @@ model = parallelize_module(plain_mlp(), mesh, {"0": ColwiseParallel(), "2": Roww
 # lab 11's answer again.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-claim("torch's output, input gradient and every shard's gradients == ours (to 1e-6)",
-      max(max(r["torch_out_diff"], r["torch_input_grad_diff"], r["torch_grad_diff"])
-          for r in tp_runs) < 1e-6)
-print("CommDebugMode, after the forward:", r0["torch_forward_counts"], "; after the backward:",
-      r0["torch_counts"])
-print("recorded:", r0["torch_recorded"])
-claim("torch sends what we send: one all-reduce of the activations in the forward, one in the "
-      "backward (CommDebugMode and our recorder agree)",
-      all(r["torch_forward_counts"] == {"all_reduce": 1} and r["torch_counts"] == {"all_reduce": 2}
-          and [c[1:] for c in r["torch_recorded"]] == [("all_reduce", cfg.tokens * cfg.d,
-                                                         act_bytes)] * 2 for r in tp_runs))
+with viz.folded_output("▶ torch's results and collectives beside ours — open after your lab "
+                       "passes"):
+    claim("torch's output, input gradient and every shard's gradients == ours (to 1e-6)",
+          max(max(r["torch_out_diff"], r["torch_input_grad_diff"], r["torch_grad_diff"])
+              for r in tp_runs) < 1e-6)
+    print("CommDebugMode, after the forward:", r0["torch_forward_counts"],
+          "; after the backward:", r0["torch_counts"])
+    print("recorded:", r0["torch_recorded"])
+    claim("torch sends what we send: one all-reduce of the activations in the forward, one in "
+          "the backward (CommDebugMode and our recorder agree)",
+          all(r["torch_forward_counts"] == {"all_reduce": 1}
+              and r["torch_counts"] == {"all_reduce": 2}
+              and [c[1:] for c in r["torch_recorded"]] == [("all_reduce", cfg.tokens * cfg.d,
+                                                             act_bytes)] * 2 for r in tp_runs))
 
 # %% [markdown]
 # **▶ What each rank holds, torch's placements, and where torch puts *f* and *g* (the lab's
@@ -671,13 +679,15 @@ import inspect
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-print("plain:", r0["plain_shapes"])
-print("ours, rank 0:", r0["ours_shapes"])
-for name, kind, full, local, placement in r0["torch_params"]:
-    print(f"{name:>9}: {kind}, full {full}, rank 0 holds {local}, placement {placement}")
-claim("ColwiseParallel cuts the first weight and bias along dim 0 (Shard(0)); RowwiseParallel "
-      "the second weight along dim 1 (Shard(1)) and replicates its bias (R)",
-      [p[4] for p in r0["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"])
+with viz.folded_output("▶ What each rank holds, and torch's placements (the lab's answer "
+                       "again) — open after your lab passes"):
+    print("plain:", r0["plain_shapes"])
+    print("ours, rank 0:", r0["ours_shapes"])
+    for name, kind, full, local, placement in r0["torch_params"]:
+        print(f"{name:>9}: {kind}, full {full}, rank 0 holds {local}, placement {placement}")
+    claim("ColwiseParallel cuts the first weight and bias along dim 0 (Shard(0)); "
+          "RowwiseParallel the second weight along dim 1 (Shard(1)) and replicates its bias (R)",
+          [p[4] for p in r0["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"])
 viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
               + inspect.getsource(RowwiseParallel._prepare_output_fn),
               folded="▶ Where torch puts f and g — open after your lab passes")
@@ -722,25 +732,27 @@ viz.show_code(tensor_parallel.sequence_parallel_worker,
               folded="▶ The sequence-parallel worker — open after your lab passes")
 sp_runs = launch.spawn(tensor_parallel.sequence_parallel_worker, tp_ranks, cfg, backend="gloo",
                        timeout=120)
-print("forward:", sp_runs[0]["forward"], " backward:", sp_runs[0]["backward"],
-      " (op, elements in, bytes in)")
 share = cfg.tokens // tp_ranks * cfg.d
-claim(f"sequence parallelism on {tp_ranks} ranks == the plain MLP on each rank's tokens: output, "
-      "dL/dx and every gradient (to 1e-6)",
-      max(max(r["out_diff"], r["input_grad_diff"], r["grad_diff"]) for r in sp_runs) < 1e-6)
-claim(f"each pass makes an all-gather of the token shares ({share} elements in) and a "
-      f"reduce-scatter of tokens × d = {cfg.tokens * cfg.d} elements where section 2 made one "
-      "all-reduce: the two halves of a ring all-reduce (lesson 06), so the same bytes sent, and "
-      "the two patterns async tensor parallelism fuses with their matmuls",
-      all(r["forward"] == r["backward"] == [("all_gather", share, share * 4),
-                                            ("reduce_scatter", cfg.tokens * cfg.d,
-                                             cfg.tokens * cfg.d * 4)] for r in sp_runs))
-print("saved for the backward, local shapes:", sp_runs[0]["saved_shapes"])
-claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tokens, yet "
-      f"autograd saves the column layer's input all-gathered, {cfg.tokens} × {cfg.d} — "
-      "torch's layout does not divide that input by t",
-      all((cfg.tokens, cfg.d) in r["saved_shapes"]
-          and (cfg.tokens // tp_ranks, cfg.d) not in r["saved_shapes"] for r in sp_runs))
+with viz.folded_output("▶ Sequence parallelism run, checked and its collectives counted "
+                       "— open after your lab passes"):
+    print("forward:", sp_runs[0]["forward"], " backward:", sp_runs[0]["backward"],
+          " (op, elements in, bytes in)")
+    claim(f"sequence parallelism on {tp_ranks} ranks == the plain MLP on each rank's tokens: "
+          "output, dL/dx and every gradient (to 1e-6)",
+          max(max(r["out_diff"], r["input_grad_diff"], r["grad_diff"]) for r in sp_runs) < 1e-6)
+    claim(f"each pass makes an all-gather of the token shares ({share} elements in) and a "
+          f"reduce-scatter of tokens × d = {cfg.tokens * cfg.d} elements where section 2 made "
+          "one all-reduce: the two halves of a ring all-reduce (lesson 06), so the same bytes "
+          "sent, and the two patterns async tensor parallelism fuses with their matmuls",
+          all(r["forward"] == r["backward"] == [("all_gather", share, share * 4),
+                                                ("reduce_scatter", cfg.tokens * cfg.d,
+                                                 cfg.tokens * cfg.d * 4)] for r in sp_runs))
+    print("saved for the backward, local shapes:", sp_runs[0]["saved_shapes"])
+    claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tokens, yet "
+          f"autograd saves the column layer's input all-gathered, {cfg.tokens} × {cfg.d} — "
+          "torch's layout does not divide that input by t",
+          all((cfg.tokens, cfg.d) in r["saved_shapes"]
+              and (cfg.tokens // tp_ranks, cfg.d) not in r["saved_shapes"] for r in sp_runs))
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -1088,20 +1100,19 @@ with viz.folded_output("▶ what the recorder recorded, and the claim"):
 
 # %% [markdown]
 # ## 4. Composing them: a 2-D mesh
-# Real training runs combine the two kinds of parallelism: tensor parallelism inside a
-# group of GPUs, data parallelism across the groups. A `DeviceMesh` names the ranks as a
-# grid: 4 ranks as 2 × 2, dimension `dp` down, `tp` across. Each row is one tensor-parallel
-# MLP; the two rows are data-parallel groups (FSDP2's `fully_shard` over the `dp`
-# dimension: lesson 08's ZeRO-3, each row holding half of every weight), each fed its half
-# of every batch. `mesh["tp"]` is the
-# one-dimensional mesh of this rank's row, `mesh["tp"].get_group()` its process group.
+# Real runs combine tensor parallelism inside a group of GPUs with data parallelism across
+# the groups. A `DeviceMesh` names the ranks as a grid: 4 ranks as 2 × 2, dimension `dp`
+# down, `tp` across. Each row is one tensor-parallel MLP; the two rows are data-parallel
+# groups, each fed its half of every batch and holding half of every weight (FSDP2's
+# `fully_shard` over `dp`: lesson 08's ZeRO-3). `mesh["tp"]` is the one-dimensional mesh of
+# this rank's row, `mesh["tp"].get_group()` its process group.
 #
 # The worker trains two versions for a few Adam steps next to one device on the whole
 # batch: ours (`TensorParallelMLP` on the row's group, then `fully_shard` on the column) and
 # torch's (`parallelize_module` on `mesh["tp"]`, then `fully_shard` on `mesh["dp"]`). A
 # `before` hook of the recorder notes which group each call uses. Ours is then compared with
 # the one device, shard by shard, against the slice that torch's placement of the same
-# parameter on `tp` names (the worker reads it, rather than writing it down).
+# parameter on `tp` names.
 
 # %%
 viz.show_code(tensor_parallel.mesh_2d_worker)
@@ -1123,7 +1134,9 @@ viz.show(viz.mesh_2d_figure(mesh_runs, cfg.d, cfg.h),
          "of each weight and all-reduce activations with each other (tp group); the two "
          "ranks of a column hold the same block and split it in half between steps, so they "
          "all-gather it and reduce-scatter its gradient (dp group). Bytes: the last step's, "
-         "on each rank.")
+         "on each rank.",
+         folded="▶ What each rank holds on the mesh (its shapes show section 2's answer) — "
+                "open after your lab passes")
 
 # %% [markdown]
 # **▶ One step's traffic on the mesh, each collective counted and explained — open after your
@@ -1132,16 +1145,18 @@ viz.show(viz.mesh_2d_figure(mesh_runs, cfg.d, cfg.h),
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 local = cfg.num_params // 2 + cfg.d // 2          # what one tp rank of the library's MLP holds
 step = mesh_runs[0]["traffic"][-1]
-for dim, op, numel, nbytes, out_nbytes in step:
-    print(f"{dim}: {op:>14}, {numel:5d} elements in, {out_nbytes:5d} bytes out")
-claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2} tokens × "
-      f"{cfg.d}); along dp: one all-gather and one reduce-scatter of the row's {local} "
-      "parameters",
-      all(r["traffic"][-1] == [("dp", "all_gather", local // 2, local * 2, local * 4),
-                               ("tp", "all_reduce", cfg.tokens // 2 * cfg.d,
-                                cfg.tokens // 2 * cfg.d * 4, cfg.tokens // 2 * cfg.d * 4),
-                               ("dp", "reduce_scatter", local, local * 4, local * 2)]
-          for r in mesh_runs))
+with viz.folded_output("▶ One step's traffic on the mesh, each collective counted and "
+                       "explained — open after your lab passes"):
+    for dim, op, numel, nbytes, out_nbytes in step:
+        print(f"{dim}: {op:>14}, {numel:5d} elements in, {out_nbytes:5d} bytes out")
+    claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2} tokens × "
+          f"{cfg.d}); along dp: one all-gather and one reduce-scatter of the row's {local} "
+          "parameters",
+          all(r["traffic"][-1] == [("dp", "all_gather", local // 2, local * 2, local * 4),
+                                   ("tp", "all_reduce", cfg.tokens // 2 * cfg.d,
+                                    cfg.tokens // 2 * cfg.d * 4, cfg.tokens // 2 * cfg.d * 4),
+                                   ("dp", "reduce_scatter", local, local * 4, local * 2)]
+              for r in mesh_runs))
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -1159,8 +1174,10 @@ claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2}
 # passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-for name, placement in mesh_runs[0]["torch_placements"].items():
-    print(f"{name:>9}: {placement}")
+with viz.folded_output("▶ torch's placements on the mesh (they show section 2's answer) — "
+                       "open after your lab passes"):
+    for name, placement in mesh_runs[0]["torch_placements"].items():
+        print(f"{name:>9}: {placement}")
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -1210,13 +1227,18 @@ viz.show_code(planner.plan_row, folded="▶ planner.plan_row — open after your
 # against section 2's MLP — open after your lab passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-print("tensor-parallel collectives per layer and micro-batch:", planner.TP_MESSAGES_PER_LAYER)
-claim(f"the planner's per-layer count, {planner.TP_MESSAGES_PER_LAYER} (the forward's once "
-      f"more when recomputed), is twice what section 2's MLP made (forward "
-      f"{len(r0['forward'])}, backward {len(r0['backward'])}); no attention is built here: "
-      "that Megatron's attention has the same f/g pair is assumed, from Shoeybi et al. 2019, §3",
-      planner.TP_MESSAGES_PER_LAYER == {"forward": 2 * len(r0["forward"]),
-                                        "backward": 2 * len(r0["backward"])})
+with viz.folded_output("▶ planner.TP_MESSAGES_PER_LAYER, the tensor-parallel messages "
+                       "plan_row counts, held against section 2's MLP — open after your lab "
+                       "passes"):
+    print("tensor-parallel collectives per layer and micro-batch:",
+          planner.TP_MESSAGES_PER_LAYER)
+    claim(f"the planner's per-layer count, {planner.TP_MESSAGES_PER_LAYER} (the forward's once "
+          f"more when recomputed), is twice what section 2's MLP made (forward "
+          f"{len(r0['forward'])}, backward {len(r0['backward'])}); no attention is built here: "
+          "that Megatron's attention has the same f/g pair is assumed, from Shoeybi et al. "
+          "2019, §3",
+          planner.TP_MESSAGES_PER_LAYER == {"forward": 2 * len(r0["forward"]),
+                                            "backward": 2 * len(r0["backward"])})
 
 # %% [markdown]
 # The check: Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU
@@ -1644,7 +1666,8 @@ viz.quiz(quizzes.questions("11"))
 # bytes per layer, section 4: the 10·sbd, in this lesson's letters, that tensor parallelism
 # does not divide; sequence parallelism, section 4.2.2); Huang et al., *GPipe*, NeurIPS 2019 (micro-batches, the
 # bubble); McCandlish et al., *An Empirical Model of Large-Batch Training*, 2018 (the noise
-# scale, appendix A); Rajbhandari et al., *ZeRO*, SC 2020.
+# scale, appendix A; the steps S = S_min·(1 + B_noise/β) at each β's best learning rate,
+# §2.2, eqs. 2.6–2.7, and §2.3); Rajbhandari et al., *ZeRO*, SC 2020.
 #
 # **▶ The sources of torch's *f* and *g*, Megatron-LM's overlap and async tensor parallelism's
 # patterns — open after your lab passes** (they say which collective each pass makes; click

@@ -390,7 +390,8 @@ class RealDataParallelReport:
                     f"{counts}.")
         threads = ("no parallel_apply, so no threads" if not self.parallel_apply_calls
                    else f"parallel_apply called {self.parallel_apply_calls} time(s)")
-        where = ("Without a CUDA GPU, nn.DataParallel has no device_ids" if self.gpu_count == 0
+        where = ("No CUDA GPU here (torch's own test: any accelerator but MPS) and "
+                 "nn.DataParallel has no device_ids" if self.gpu_count == 0
                  else f"With {self.gpu_count} GPU(s), nn.DataParallel")
         return (f"{where}; its calls were {counts}: it called the wrapped module itself, "
                 f"{'no replicas' if not self.replicate_calls else 'with replicas'}, {threads}, "

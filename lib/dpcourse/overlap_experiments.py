@@ -281,8 +281,8 @@ def timing_worker(rank: int, world_size: int, cfg: OverlapConfig, runs, warmup: 
     that a slow moment of the machine hits every run alike.
     A step's time is the median over ``cfg.steps`` steps after ``warmup`` untimed ones (DDP
     records the gradients' order in its first backward and rebuilds its buckets, allocating
-    new ones, at the start of its next forward with gradients enabled: two warm-up steps keep that out of the
-    timed ones), and so are its parts: the forward, the backward
+    new ones, at the start of its next forward with gradients enabled: two warm-up steps keep
+    that out of the timed ones), and so are its parts: the forward, the backward
     (until ``backward()`` returns), the synchronisation after it and the optimizer step. Each
     run also returns its last step's timeline on this rank, in ms since the backward began:
     when each gradient was ready (stamped before the class's own hook of that gradient runs),

@@ -2,13 +2,15 @@
 shows them with ``viz.quiz(quizzes.questions("01"))``): in ``viz.quiz``'s form."""
 
 QUESTIONS = [
-    {"q": "You run the forward pass and loss.backward() twice on the same batch, without "
-          "zero_grad between them. The gradient is:",
+    {"q": "You run the forward pass and loss.backward() twice on the same batch, dropout "
+          "off, without zero_grad between them. The gradient is:",
      "options": ["the same as after one pass", "zero", "twice as large"],
      "answer": 2,
      "why": ["backward adds into .grad; it does not overwrite it.",
              "Nothing subtracts the first gradient.",
-             "Right: .grad accumulates, which is also how gradient accumulation works."]},
+             "Right: .grad accumulates, and with dropout off both passes compute the same "
+             "gradient (with it on, each pass drops other units). Accumulating is also how "
+             "gradient accumulation works."]},
     {"q": "A one-process training script spends 70% of each step waiting for data. What "
           "helps most?",
      "options": ["A second GPU, driven by the same process (nn.DataParallel)",

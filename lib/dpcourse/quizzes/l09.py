@@ -25,9 +25,9 @@ QUESTIONS = [
                  "The straggler, as in synchronous mode",
                  "Nothing: an asynchronous worker never waits"],
      "answer": 0,
-     "why": ["Right: from each push to the server's answer, which includes queueing behind "
-             "other pushes and any time a process was not running on the shared cores (the "
-             "rare long waits). How those waits spread (median, mean, the long ones' share) "
+     "why": ["Right: from each push to the server's answer, which can include queueing "
+             "behind other pushes and time a process was not running on the shared cores "
+             "(long waits, if any). How those waits spread (median, mean, the long ones' share) "
              "is printed in §1; the run records when it waited, not why.",
              "Asynchronous, the server answers each worker alone, without the straggler.",
              "The race's timeline (§1) shows grey gaps between its computations."]},

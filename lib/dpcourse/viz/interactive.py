@@ -53,7 +53,8 @@ def widget_with_fallback(build: Callable, static: Callable[[], None],
 # --------------------------------------------------------------------------------------------
 
 
-def explorer(draw, controls: dict, caption: str, description: str = "interactive explorer"):
+def explorer(draw, controls: dict, caption: str, description: str = "interactive explorer",
+             folded: str | None = None):
     """Sliders that redraw ``draw(**values)`` (a function returning a matplotlib figure), then
     the static figure for the starting values, for readers without a kernel. Returns the widget
     (None without ipywidgets: then only the static figure is shown); its ``drawn_with`` holds
@@ -63,7 +64,8 @@ def explorer(draw, controls: dict, caption: str, description: str = "interactive
     ``controls`` maps each keyword of ``draw`` to an ipywidgets control (a slider), or to a
     tuple ``(value, min, max)`` / ``(value, min, max, step)``, made an IntSlider when all are
     ints, a FloatSlider otherwise. The figure always comes from the library's own drawing
-    functions: the widget only chooses their arguments.
+    functions: the widget only chooses their arguments. ``folded="▶ label"`` folds the static
+    figure and its caption as :func:`show` does (the widget itself cannot be folded).
 
     Shown in lesson 06, §3.
     """
@@ -89,7 +91,7 @@ def explorer(draw, controls: dict, caption: str, description: str = "interactive
         return box
 
     box = widget_with_fallback(
-        build, lambda: show(draw(**start), caption),
+        build, lambda: show(draw(**start), caption, folded=folded),
         placeholder=f"[{description}: run the notebook live to use the sliders; the figure for "
                     f"the default values is below]")
     if box is not None:
