@@ -329,6 +329,8 @@ shape, steps = train.rate_shape(measured, outliers=0)   # each size against the 
 reading = {"rising": "case 1 above, not yet saturated: the bigger matrices still paid off",
            "plateau": "case 1 above: it paid off, then flattened (saturated, or a gain too "
                       "small for these rounds to show)",
+           "ends differ": "no shape shown between the ends: a rise, a plateau or a peak "
+                          "could give these rounds",
            "flat": "no shape shown: case 1 saturated by the smallest batch already, or "
                    "differences lost in this machine's noise, these rounds cannot tell which"}
 print(f"Step by step, a step counted only if one size won all {rounds} rounds (noise alone "

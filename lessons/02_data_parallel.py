@@ -262,6 +262,8 @@ viz.show(viz.dp_step_figure([c.shape[0] for c in chunks], K),
          "in our copy-by-copy dp every arrow starts or ends at device 0: it sends the input's "
          "chunks and the weights out, collects the outputs, computes the loss alone and "
          "receives every gradient.")
+viz.show_code(viz.dp_step_figure, folded="▶ code: viz.dp_step_figure (the arrows are drawn from "
+                                         "dp.data_parallel's moves, the sizes from this run)")
 
 # %% [markdown]
 # That picture is who holds what; the next is **when**. `viz.record_dp_step` runs one training

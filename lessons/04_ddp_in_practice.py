@@ -509,65 +509,15 @@ claim("with the atomic save it found the previous complete checkpoint, then the 
 # the end. We evaluate the weights the two-node run saved in section 2 four ways (the three
 # mistakes and the script's `evaluate`), and compare with one process evaluating the whole test
 # set with `train_single.py`'s `evaluate`. The code is folded (it shows how the ranks' numbers
-# are combined); its table is printed below it.
+# are combined: open it after lab 04 passes); its table is printed below it.
 
-# %% [markdown]
-# **▶ The code of the four ways — open after lab 04 passes** (click the folded cell below; its
-# table is printed under it).
-
-# %% jupyter={"source_hidden": true}
+# %%
 # NBVAL_IGNORE_OUTPUT
 # (the accuracies are those of weights trained in section 2, which depend on this CPU's kernels)
-def evaluate_four_ways(rank, world_size, weights, n_test, scripts):
-    import runpy
-
-    import torch
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from dpcourse import data
-    from dpcourse import ddp_practice as dp
-
-    ds = data.load("shapes10", n_train=8, n_test=n_test, seed=0)  # the scripts' test images
-    test_set = data.to_torch(ds.x_test, ds.y_test)
-    model = dp.build_model("small_bn", ds.num_classes, width=8)
-    model.load_state_dict(dp.load_checkpoint(weights)["model"])
-    single_evaluate = runpy.run_path(scripts["single"])["evaluate"]
-    ddp_evaluate = runpy.run_path(scripts["ddp"])["evaluate"]
-
-    # what one process gets on the whole test set (computed on every rank, used on rank 0)
-    one = single_evaluate(model, test_set, "cpu")
-    # wrong: DistributedSampler's shards (padded), each rank's own accuracy
-    padded = DataLoader(test_set, batch_size=64, sampler=DistributedSampler(test_set, shuffle=False))
-    right = count = 0
-    model.eval()
-    with torch.no_grad():
-        for X, y in padded:
-            right += int((model(X).argmax(1) == y).sum())
-            count += len(y)
-    mine = torch.tensor([right / count, right, count], dtype=torch.float64)
-    everyone = mine.clone()
-    dist.all_reduce(everyone)  # sums over ranks
-    # right: the script's evaluate (folded after the lab pointer)
-    fixed = ddp_evaluate(model, test_set, "cpu", rank, world_size)
-    # mean of means over the right shards: each rank's own accuracy, averaged
-    shard = torch.tensor([0.0])
-    model.eval()  # (evaluate put the model back in training mode)
-    if rank < n_test:
-        idx = list(range(rank, n_test, world_size))
-        with torch.no_grad():
-            shard[0] = float((model(test_set.tensors[0][idx]).argmax(1)
-                              == test_set.tensors[1][idx]).double().mean())
-    dist.all_reduce(shard)
-    return {"one": one.tolist(), "rank0": float(mine[0]),
-            "padded_mean_of_means": float(everyone[0]) / world_size,
-            "padded_sum": float(everyone[1] / everyone[2]), "padded_count": int(everyone[2]),
-            "shard_mean_of_means": float(shard[0]) / world_size,
-            "fixed": fixed.tolist()}
-
-
+viz.show_code(dp.evaluate_four_ways, folded="▶ The code of the four ways — open after lab 04 "
+                                            "passes")
 n_test = 201
-ev = launch.spawn(evaluate_four_ways, world_size, str(work / "two_nodes.pt"), n_test,
+ev = launch.spawn(dp.evaluate_four_ways, world_size, str(work / "two_nodes.pt"), n_test,
                   {"single": str(train_single), "ddp": str(train_ddp)},
                   backend="gloo", timeout=timeout)[0]
 one_acc = ev["one"][1] / ev["one"][2]
@@ -908,7 +858,8 @@ claim("Join's cost: in every training iteration each rank made 2 all-reduces fro
 # rule** (Goyal et al., 2017) says: when the
 # global batch is multiplied by k, multiply the learning rate by k — with a few epochs of
 # warm-up, because a large rate at the start diverges. It is an empirical rule for SGD with
-# momentum, and it breaks down past some batch size (the critical batch size, lesson 11). With Adam,
+# momentum, and it breaks down past some batch size (the critical batch size, lesson 11; both
+# from Goyal et al., not run here). With Adam,
 # square-root scaling is the usual starting point (Malladi et al., 2022; not run here).
 #
 # **What if the gradients are summed instead of averaged** (a hand-written all-reduce, or a
@@ -925,8 +876,8 @@ claim("Join's cost: in every training iteration each rank made 2 all-reduces fro
 # summing multiplies the gradient by N but not the decay term `wd·w`, so it equals averaging at
 # `lr × N` *and* `wd / N`. With Adam (no weight decay), summing changes almost nothing: Adam
 # divides by the gradient's running root-mean-square, so N cancels (except against `eps`), and
-# multiplying Adam's lr by N is the mistake. Adam's default `weight_decay` joins the gradient
-# before that division (`adam.py`), so summing shrinks it N-fold; AdamW's
+# multiplying Adam's lr by N is the mistake. Adam's `weight_decay`, when set, joins the gradient
+# by default (`decoupled_weight_decay=False`) before that division (`adam.py`), so summing shrinks it N-fold; AdamW's
 # (`decoupled_weight_decay=True`) is `w ← w·(1 − lr·wd)`, which summing leaves alone. Five steps
 # on 2 ranks:
 
@@ -1632,7 +1583,7 @@ claim("torchvision.models.resnet50 is where it lives", callable(torchvision.mode
 #   lr × k for a k× batch, with warm-up). Summed gradients equal averaged ones at lr × N for SGD
 #   (momentum too; bit for bit when N is a power of two), not with weight decay,
 #   not under gradient clipping (the same lr when the average is clipped too), and not for Adam
-#   (same lr; its default weight decay shrinks N-fold, AdamW's does not).
+#   (same lr; its weight decay, coupled by default, shrinks N-fold; AdamW's does not).
 # * `no_sync` accumulation equals the big batch and all-reduces `accum` times less. AMP leaves
 #   DDP's gradients in float32 (a 16-bit compress hook or `mixed_precision=` changes that).
 #   Buffers get rank 0's before a forward by section 4's rule. With small per-rank batches, synchronised batch statistics

@@ -1082,7 +1082,8 @@ claim("it restores the step counter too", restored_step == steps)
 # half of each global batch; the strategy all-reduces gradients between the processes with
 # `CollectiveAllReduce`, implementation RING — **our worker asks for it**
 # (`CommunicationOptions(implementation=RING)`). The default, `AUTO`, runs the same ring even on
-# GPUs (TF 2's runtime takes NCCL only for the hint `"nccl"`): a GPU cluster must ask for
+# GPUs (TF 2's eager runtime takes NCCL for the hint `"nccl"`, or with the `collective_nccl`
+# config flag): a GPU cluster must ask for
 # `implementation=NCCL`. With RING (ours) the all-reduce's messages between the workers travel
 # over gRPC, Google's remote-procedure-call library: the TCP transport TensorFlow's workers
 # talk through (`ServerDef(protocol="grpc")` in
@@ -1246,8 +1247,8 @@ viz.show_code("".join(difflib.unified_diff(torch_step.splitlines(True), tf_step.
 #   `strategy.scope()` comes out N× too small.
 # * By default the sum is a collective all-reduce (`CollectiveAllReduce`: RING on CPUs or once
 #   any GPU in the process is split, else NCCL); `ReductionToOneDevice` is what you get with
-#   mixed devices or ask for, and, whenever merge calls are on, what `strategy.reduce` uses to
-#   bring a per-replica result to the host.
+#   mixed devices or ask for, and, under `MirroredStrategy` whenever merge calls are on, what
+#   `strategy.reduce` uses to bring a per-replica result to the host.
 # * `compile`, not `fit`, wraps the optimizer in a `LossScaleOptimizer` under `mixed_float16`; a
 #   custom loop that wraps it must also call `optimizer.scale_loss(loss)` in the tape, or every
 #   gradient is 1/32768 or less of what it should be (measured with float32 layers).

@@ -215,12 +215,12 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # The ring's bandwidth term is bounded by 2Kβ whatever N (from Kβ at N = 2, growing toward
 # 2Kβ); its latency term grows with N without bound. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
-# its bandwidth term is K·log N (the figure's "binomial tree (unpipelined)": its message is not
+# its bandwidth term is 2⌈log₂N⌉Kβ (the figure's "binomial tree (unpipelined)": its message is not
 # *pipelined*, cut into segments that travel one behind another, §4 — the textbook's slowest variant;
 # NCCL's tree pipelines, folded below). So, in the
-# model, among the five: a ring for big gradients; for small messages a tree (or the server,
-# if N pushes cost one α); Rabenseifner's at least as cheap as ring and tree when N is a power of two
-# (all checked below). One server's link carries NK bytes each way, growing with every worker. Real ones shard: TF's `ParameterServerStrategy` puts whole variables on its S
+# model, among the five: a ring for big gradients or very few ranks, Rabenseifner's otherwise
+# (the tree's steps, fewer bytes: unpipelined, the tree never wins here), or the server if N
+# pushes cost one α (the naive way, the ring and the tree checked below). One server's link carries NK bytes each way, growing with every worker. Real ones shard: TF's `ParameterServerStrategy` puts whole variables on its S
 # servers round robin (splitting one only with a `variable_partitioner`), so about NK/S per
 # link when the variables are many and alike; with a shard on every worker, each sends K/N to
 # each of the N − 1 others twice: 2(N−1)K/N, the ring's bytes (arithmetic). With an

@@ -2,7 +2,8 @@
 # # 09 · Beyond lockstep: parameter servers, stale gradients, local SGD, large batches
 #
 # **Prerequisites:** lesson 03 (averaging gradients; DDP), lesson 06 (the ring all-reduce and
-# what it sends: 2(N−1)K/N per rank, K the model's number of weights) and lesson 02
+# what it sends: 2(N−1)K/N per rank; here K counts the model's float32 weights, 4K bytes, where
+# lesson 06 counted bytes) and lesson 02
 # (`nn.DataParallel`).
 #
 # **You will be able to:**
@@ -343,6 +344,7 @@ viz.show(viz.straggler_gantt_figure(
     f"ms on average ({sum(long_ms) / sum(wait_ms):.0%} of its waiting in stalls over 10× the median); the server "
     f"applied {applied['async'] / applied['sync']:.1f}× as many gradients. A computation too short to see is "
     "drawn 1.5 px wide, so the colours can overstate computing: the percentages are the measured shares.")
+viz.show_code(viz.straggler_gantt_figure, folded="▶ code: viz.straggler_gantt_figure")
 
 # %%
 # (this run's shares and counts are printed above; the margins hold on a loaded 2-core machine)
@@ -894,8 +896,8 @@ viz.quiz(quizzes.questions("09"))
 # - `torch/nn/parallel/distributed.py` — `_BucketCapacityConfig.create`:
 #   `first_bucket_bytes_cap` is `dist._DEFAULT_FIRST_BUCKET_BYTES` (1048576 in the installed
 #   torch) when `bucket_cap_mb` is left `None`, so this lesson's 52 KB model fits one bucket:
-#   one all-reduce per step (§3's claim, question 5); `compute_bucket_size_limits`: without
-#   `find_unused_parameters` or `static_graph` the buckets of the first iteration get
+#   one all-reduce per step (§3's claim, question 5); `compute_bucket_size_limits`: with
+#   `static_graph`, or without `find_unused_parameters`, the buckets of the first iteration get
 #   `sys.maxsize` (one bucket for everything); `_ddp_init_helper` passes
 #   `first_bucket_bytes_cap` to the `Reducer`, which rebuilds the buckets once after the first
 #   iteration (`torch/include/torch/csrc/distributed/c10d/reducer.hpp`, `rebuild_buckets`).

@@ -546,7 +546,7 @@ claim("rank 1 left the loop and its program ended; rank 0, waiting in the next a
 # the bound the course can state for NCCL is the watchdog's timeout (the figure above).
 
 # %% [markdown]
-# ## 3. Bugs that finish — with the wrong answer
+# ## 3. Bugs that run on — to a wrong answer, or a crash far from the cause
 # These are worse: nothing hangs, the loss may even look fine, and only bug 9 crashes, at the
 # second step, far from its cause. Most need a detector that compares the ranks. All seven
 # (bugs 4 to 10) run, broken and fixed, in **one** launch (`bugzoo.zoo_worker`), with extra
@@ -593,11 +593,12 @@ claim("a change of 1e-3 in one weight of a 64×64 layer, at its first position, 
 
 # %% [markdown]
 # **▶ `average_gradients`, what the fixed programs call**: lesson
-# 03's hand-made averaging, its lab's part 1 done the simple way — open it after lab 03 passes.
+# 03's hand-made averaging, the simple way (it skips missing gradients, so it is not lab 03
+# part 1's answer) — open it after lab 03 passes.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(bugzoo.average_gradients,
-              folded="▶ The reference answer to lab 03's part 1 — open after lab 03 passes")
+              folded="▶ bugzoo.average_gradients — open after lab 03 passes")
 
 # %% [markdown]
 # ### Bug 4: a checkpoint resumed on one rank only

@@ -1102,10 +1102,11 @@ with viz.folded_output("▶ what the recorder recorded, and the claim"):
 # ## 4. Composing them: a 2-D mesh
 # Real runs combine tensor parallelism inside a group of GPUs with data parallelism across
 # the groups. A `DeviceMesh` names the ranks as a grid: 4 ranks as 2 × 2, dimension `dp`
-# down, `tp` across. Each row is one tensor-parallel MLP; the two rows are data-parallel
-# groups, each fed its half of every batch and holding half of every weight (FSDP2's
-# `fully_shard` over `dp`: lesson 08's ZeRO-3). `mesh["tp"]` is the one-dimensional mesh of
-# this rank's row, `mesh["tp"].get_group()` its process group.
+# down, `tp` across. Each row is one tensor-parallel MLP, fed its half of every batch; each
+# column is a data-parallel group, the ranks that shard and reduce-scatter one weight shard
+# together (FSDP2's `fully_shard` over `dp`: lesson 08's ZeRO-3), so a row holds half of
+# every weight, not a replica. `mesh["tp"]` is the one-dimensional mesh of this rank's row,
+# `mesh["tp"].get_group()` its process group.
 #
 # The worker trains two versions for a few Adam steps next to one device on the whole
 # batch: ours (`TensorParallelMLP` on the row's group, then `fully_shard` on the column) and

@@ -51,6 +51,7 @@ __all__ = [
     "script_path",
     "without_function",
     "without_resume_and_save",
+    "evaluate_four_ways",
 ]
 
 
@@ -342,6 +343,62 @@ def without_resume_and_save(lines: list[str]) -> tuple[list[str], list[str]]:
         cut += kept[i:j + 1]
         kept = kept[:i] + [f"{indent}{what}: folded after the lab pointer)"] + kept[j + 1:]
     return kept, cut
+
+
+def evaluate_four_ways(rank, world_size, weights, n_test, scripts):
+    """Lesson 04's evaluation four ways on a trained model's ``weights`` (a checkpoint): one
+    process on the whole test set (``scripts["single"]``'s ``evaluate``), DistributedSampler's
+    padded shards read as each rank's own accuracy and as one accuracy over its images, each
+    image once with the ranks' accuracies averaged, and ``scripts["ddp"]``'s ``evaluate``.
+    Returns what rank 0 needs to print the table. A launched worker (``launch.spawn``).
+
+    Shown in lesson 04, §4."""
+    import runpy
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from dpcourse import data
+
+    ds = data.load("shapes10", n_train=8, n_test=n_test, seed=0)  # the scripts' test images
+    test_set = data.to_torch(ds.x_test, ds.y_test)
+    model = build_model("small_bn", ds.num_classes, width=8)
+    model.load_state_dict(load_checkpoint(weights)["model"])
+    single_evaluate = runpy.run_path(scripts["single"])["evaluate"]
+    ddp_evaluate = runpy.run_path(scripts["ddp"])["evaluate"]
+
+    # what one process gets on the whole test set (computed on every rank, used on rank 0)
+    one = single_evaluate(model, test_set, "cpu")
+    # wrong: DistributedSampler's shards (padded), each rank's own accuracy
+    padded = DataLoader(test_set, batch_size=64,
+                        sampler=DistributedSampler(test_set, shuffle=False))
+    right = count = 0
+    model.eval()
+    with torch.no_grad():
+        for X, y in padded:
+            right += int((model(X).argmax(1) == y).sum())
+            count += len(y)
+    mine = torch.tensor([right / count, right, count], dtype=torch.float64)
+    everyone = mine.clone()
+    dist.all_reduce(everyone)  # sums over ranks
+    # right: the script's evaluate (folded after the lab pointer)
+    fixed = ddp_evaluate(model, test_set, "cpu", rank, world_size)
+    # mean of means over the right shards: each rank's own accuracy, averaged
+    shard = torch.tensor([0.0])
+    model.eval()  # (evaluate put the model back in training mode)
+    if rank < n_test:
+        idx = list(range(rank, n_test, world_size))
+        with torch.no_grad():
+            shard[0] = float((model(test_set.tensors[0][idx]).argmax(1)
+                              == test_set.tensors[1][idx]).double().mean())
+    dist.all_reduce(shard)
+    return {"one": one.tolist(), "rank0": float(mine[0]),
+            "padded_mean_of_means": float(everyone[0]) / world_size,
+            "padded_sum": float(everyone[1] / everyone[2]), "padded_count": int(everyone[2]),
+            "shard_mean_of_means": float(shard[0]) / world_size,
+            "fixed": fixed.tolist()}
+
 
 
 # --------------------------------------------------------------------------------------------

@@ -379,11 +379,11 @@ def rate_shape(runs_by_size: dict, outliers: int = 1) -> tuple[str, str]:
     size against the largest decides between "rising", "falling" and "flat". ``outliers`` is
     :func:`rate_verdict`'s (0: a step counts only when one size won every round).
 
-    Returns ``(shape, sentence)``: ``shape`` is "rising" (no step fell and the last one rose,
-    or no step is clear and the largest size beat the smallest), "plateau" (rose, then no
-    clear change), "peak" (rose, then fell), "falling" (fell and none rose, or no step is
-    clear and the largest lost to the smallest), "up and down" (fell, then rose) or "flat";
-    ``sentence`` lists the steps and names the shape.
+    Returns ``(shape, sentence)``: ``shape`` is "rising" (no step fell and the last one rose),
+    "plateau" (rose, then no clear change), "peak" (rose, then fell), "falling" (fell and none
+    rose), "up and down" (fell, then rose), "ends differ" (no step is clear, but the largest
+    size beat or lost to the smallest: no shape between them is shown, a rise, a plateau and a
+    peak alike would give it) or "flat"; ``sentence`` lists the steps and names the shape.
 
     Shown in lesson 01, §"Throughput, and where the time goes".
     """
@@ -402,10 +402,11 @@ def rate_shape(runs_by_size: dict, outliers: int = 1) -> tuple[str, str]:
     words = [w for _, _, w in steps]
     if "slower" not in words and "faster" not in words:
         ends = rate_verdict(runs_by_size[sizes[0]], runs_by_size[sizes[-1]], outliers)[0]
-        shape = {"faster": "rising", "slower": "falling", "unclear": "flat"}[ends]
-        return shape, (f"{told}; batch {sizes[-1]} against batch {sizes[0]}: "
-                       + {"rising": "faster, a slow rise", "falling": "slower, a slow fall",
-                          "flat": "no clear change either, flat within the noise"}[shape])
+        if ends == "unclear":
+            return "flat", (f"{told}; batch {sizes[-1]} against batch {sizes[0]}: no clear "
+                            "change either, flat within the noise")
+        return "ends differ", (f"{told}; only the ends differ, batch {sizes[-1]} {ends} than "
+                               f"batch {sizes[0]}: the shape in between is not shown")
     if "slower" not in words:
         if words[-1] == "faster":
             return "rising", f"{told}: still rising at the largest batch, {sizes[-1]}"

@@ -2,7 +2,8 @@
 shows them with ``viz.quiz(quizzes.questions("03"))``): in ``viz.quiz``'s form."""
 
 QUESTIONS = [
-    {"q": "You move from one GPU with batches of 16 to 4 ranks, each with a shard of 16 samples "
+    {"q": "A model with no dropout and no training-mode BatchNorm: you move from one GPU with "
+          "batches of 16 to 4 ranks, each with a shard of 16 samples "
           "and its loss the mean over its shard, every rank ending each backward with the average "
           "of the 4 ranks' gradients. One step of the 4 ranks, with plain SGD at lr 0.1, is...",
      "options": ["one process's step on the 64 samples together, at lr 0.1",
@@ -26,7 +27,7 @@ QUESTIONS = [
                  "gloo cannot all-reduce several buckets at once"],
      "answer": 0,
      "why": ["Right: the initial size limit is sys.maxsize; the rebuild happens before the "
-             "second forward. (With find_unused_parameters=True and no static_graph the reducer "
+             "next forward run with gradients enabled. (With find_unused_parameters=True and no static_graph the reducer "
              "never rebuilds, so DDP buckets by size from the start.)",
              "This lesson's model was seven times the cap and still went in one bucket.",
              "From the second iteration on, gloo all-reduced several buckets."]},

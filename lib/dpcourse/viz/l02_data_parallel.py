@@ -27,7 +27,9 @@ def dp_step_figure(chunk_sizes: Sequence[int], n_params: int):
     the real class on NCCL broadcasts and reduces with collectives): one column per device, one row per move
     (scatter, replicate, parallel_apply, gather + loss, backward's reduce onto device 0), arrows for what
     crosses between devices (the input's chunks, the weights, the outputs, the gradients).
-    ``chunk_sizes`` and ``n_params`` come from the run being drawn."""
+    ``chunk_sizes`` and ``n_params`` come from the run being drawn.
+
+    Shown in lesson 02, §4."""
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
     n = len(chunk_sizes)

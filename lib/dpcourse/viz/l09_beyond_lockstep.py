@@ -50,7 +50,9 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
     ``applied[mode]``: the gradients the server applied, written in the panel's title.
     A computation narrower than 1.5 pixels and followed by a longer span (a fast worker's 0.7 ms
     before a long wait: 0.3 px) is drawn 1.5 px wide, on top, or antialiasing would erase it;
-    a run of short spans is left as drawn, a blend of its colours."""
+    a run of short spans is left as drawn, a blend of its colours.
+
+    Shown in lesson 09, §1."""
     modes = list(spans)
     fig = new_figure(8.5, 1.2 + 1.1 * len(modes) * max(len(v) for v in spans.values()) / 2)
     colours = {"compute": "#1f77b4", "sleep": "#f7c6c7", "wait": "#d9d9d9"}
