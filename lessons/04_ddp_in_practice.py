@@ -858,8 +858,8 @@ claim("Join's cost: in every training iteration each rank made 2 all-reduces fro
 # rule** (Goyal et al., 2017) says: when the
 # global batch is multiplied by k, multiply the learning rate by k — with a few epochs of
 # warm-up, because a large rate at the start diverges. It is an empirical rule for SGD with
-# momentum, and it breaks down past some batch size (the critical batch size, lesson 11; both
-# from Goyal et al., not run here). With Adam,
+# momentum, and it breaks down past some batch size (Goyal et al. saw both; lesson 11 names that
+# size, the critical batch size; neither run here). With Adam,
 # square-root scaling is the usual starting point (Malladi et al., 2022; not run here).
 #
 # **What if the gradients are summed instead of averaged** (a hand-written all-reduce, or a

@@ -1083,7 +1083,7 @@ claim("it restores the step counter too", restored_step == steps)
 # `CollectiveAllReduce`, implementation RING — **our worker asks for it**
 # (`CommunicationOptions(implementation=RING)`). The default, `AUTO`, runs the same ring even on
 # GPUs (TF 2's eager runtime takes NCCL for the hint `"nccl"`, or with the `collective_nccl`
-# config flag): a GPU cluster must ask for
+# config flag, which this strategy leaves off in eager mode): a GPU cluster must ask for
 # `implementation=NCCL`. With RING (ours) the all-reduce's messages between the workers travel
 # over gRPC, Google's remote-procedure-call library: the TCP transport TensorFlow's workers
 # talk through (`ServerDef(protocol="grpc")` in
