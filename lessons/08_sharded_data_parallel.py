@@ -44,7 +44,7 @@ sweep = (2, 3, 4)     # rank counts where memory and traffic are counted
 # %%
 import torch
 
-from dpcourse import devices, launch, viz, zero
+from dpcourse import devices, launch, viz, zero, zero_answers
 from dpcourse import zero_experiments as experiments
 from dpcourse.checks import claim
 
@@ -278,14 +278,12 @@ claim("when the backward returns, this ZeRO-2 holds every full gradient: the sam
 # passes** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-flat = 4 * zero.shard_numel(n_params, world_size) * world_size   # the padded copy, in bytes
-sharded = 4 * n_params + flat + flat // world_size
 with viz.folded_output("▶ The gradient bytes inside step(), before its collective — open after "
                        "your lab passes"):
     print("before step()'s collective:", at_collective)
-    claim("inside step() every p.grad is still alive beside the flat copy step() sends: DDP "
-          "2 × 4Ψ, ZeRO-1 and ZeRO-2 4Ψ + the padded copy + the slice it receives",
-          at_collective == {"ddp": 8 * n_params, "zero1": sharded, "zero2": sharded})
+    zero_answers.grad_bytes_in_step(at_collective, n_params, world_size)
+viz.show_code(zero_answers.grad_bytes_in_step,
+              folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
 # ## 4. ZeRO-3: shard the weights too (what FSDP does)
@@ -636,31 +634,10 @@ for name, bw in (("InfiniBand, 200 Gb/s per GPU", ib_bw), ("NVLink 3", nvlink_bw
 # **▶ That order, read in the installed torch** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPCommContext, FSDPParamGroup
-from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-from torch.distributed.fsdp import FSDPModule
-
-group_src = inspect.getsource(FSDPParamGroup.post_backward)
-final_src = inspect.getsource(FSDPState._root_post_backward_final_callback)
 with viz.folded_output("▶ That order, read in the installed torch — open after your lab passes"):
-    claim("FSDP2's post_backward drops the earlier groups' reduce-scatter inputs (after a wait "
-          "on their event) before its own foreach_reduce, then keeps its own; the root's final "
-          "callback drops the rest, on the last backward only; the default cap is 1, set "
-          "through FSDPModule.set_reduce_scatter_max_input_buffers; only a call's last "
-          "parameter group drops",
-          "self._param_group_index == self._num_param_groups - 1" in group_src
-          and "fsdp_param_group.reduce_scatter_max_input_buffers" in inspect.getsource(
-              FSDPModule.set_reduce_scatter_max_input_buffers)
-          and "fsdp_param_group.reduce_scatter_max_input_buffers" in inspect.getsource(
-              FSDPState._init_shared_state)
-          and group_src.index("wait_event(oldest.event)") < group_src.index("del oldest")
-          < group_src.index(") = foreach_reduce(")
-          < group_src.index("reduce_scatter_states.append(")
-          and "self._comm_ctx.reduce_scatter_states.clear()" in final_src
-          and final_src.rindex("if self._state_ctx.is_last_backward:")
-          < final_src.index("self._comm_ctx.reduce_scatter_states.clear()")
-          and "self.reduce_scatter_max_input_buffers: int = 1"
-          in inspect.getsource(FSDPCommContext))
+    zero_answers.fsdp2_drop_order()
+viz.show_code(zero_answers.fsdp2_drop_order,
+              folded="▶ code: the claim, read from torch's source — open after your lab passes")
 
 # %% [markdown]
 #

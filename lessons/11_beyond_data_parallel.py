@@ -57,7 +57,7 @@ import math
 import numpy as np
 import torch
 
-from dpcourse import launch, pipeline_parallel, planner, tensor_parallel, viz, zero
+from dpcourse import launch, pipeline_parallel, planner, tensor_parallel, tp_answers, viz, zero
 from dpcourse.checks import claim
 
 torch.set_num_threads(1)
@@ -215,9 +215,9 @@ def saved_by_linear(x):
 data = torch.randn(8, 48)
 as_data, as_leaf = saved_by_linear(data), saved_by_linear(data.clone().requires_grad_())
 with viz.folded_output("▶ Which three, checked — open after lab 11's part 6 passes"):
-    claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradient: "
-          f"{as_data} for data, {as_leaf} for an input that requires one",
-          (48, 48) not in as_data and (48, 48) in as_leaf)
+    tp_answers.linear_saves_weight(as_data, as_leaf)
+viz.show_code(tp_answers.linear_saves_weight,
+              folded="▶ code: the claim — open after lab 11's part 6 passes")
 
 # %% [markdown]
 # Recomputation rescues the memory (section 5's planner counts it: about 20 GB per GPU on
@@ -532,15 +532,10 @@ with viz.folded_output("▶ The gradients, checked with the worker's slices and 
 # part of lab 11's answer.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-act_bytes = cfg.tokens * cfg.d * 4
 with viz.folded_output("▶ The collectives of each pass, counted — open after your lab passes"):
     print("forward:", r0["forward"], " backward:", r0["backward"], " (op, elements, bytes)")
-    claim(f"the input requires a gradient here, as it would after another layer: one "
-          f"all-reduce in the forward (g) and one in the backward (f), each of the activations' "
-          f"size: tokens × d = {cfg.tokens} × {cfg.d} floats ({act_bytes} bytes)",
-          all(r["forward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
-              and r["backward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
-              for r in tp_runs))
+    tp_answers.tp_passes(tp_runs, cfg)
+viz.show_code(tp_answers.tp_passes, folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
 # <details><summary>▶ Tensor parallelism's messages weighed against data parallelism's, here
@@ -662,12 +657,9 @@ with viz.folded_output("▶ torch's results and collectives beside ours — open
     print("CommDebugMode, after the forward:", r0["torch_forward_counts"],
           "; after the backward:", r0["torch_counts"])
     print("recorded:", r0["torch_recorded"])
-    claim("torch sends what we send: one all-reduce of the activations in the forward, one in "
-          "the backward (CommDebugMode and our recorder agree)",
-          all(r["torch_forward_counts"] == {"all_reduce": 1}
-              and r["torch_counts"] == {"all_reduce": 2}
-              and [c[1:] for c in r["torch_recorded"]] == [("all_reduce", cfg.tokens * cfg.d,
-                                                             act_bytes)] * 2 for r in tp_runs))
+    tp_answers.torch_sends_what_we_send(tp_runs, cfg)
+viz.show_code(tp_answers.torch_sends_what_we_send,
+              folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
 # **▶ What each rank holds, torch's placements, and where torch puts *f* and *g* (the lab's
@@ -685,9 +677,8 @@ with viz.folded_output("▶ What each rank holds, and torch's placements (the la
     print("ours, rank 0:", r0["ours_shapes"])
     for name, kind, full, local, placement in r0["torch_params"]:
         print(f"{name:>9}: {kind}, full {full}, rank 0 holds {local}, placement {placement}")
-    claim("ColwiseParallel cuts the first weight and bias along dim 0 (Shard(0)); "
-          "RowwiseParallel the second weight along dim 1 (Shard(1)) and replicates its bias (R)",
-          [p[4] for p in r0["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"])
+    tp_answers.torch_placements(r0)
+viz.show_code(tp_answers.torch_placements, folded="▶ code: the claim — open after your lab passes")
 viz.show_code(inspect.getsource(ColwiseParallel._prepare_input_fn) + "\n"
               + inspect.getsource(RowwiseParallel._prepare_output_fn),
               folded="▶ Where torch puts f and g — open after your lab passes")
@@ -737,22 +728,8 @@ with viz.folded_output("▶ Sequence parallelism run, checked and its collective
                        "— open after your lab passes"):
     print("forward:", sp_runs[0]["forward"], " backward:", sp_runs[0]["backward"],
           " (op, elements in, bytes in)")
-    claim(f"sequence parallelism on {tp_ranks} ranks == the plain MLP on each rank's tokens: "
-          "output, dL/dx and every gradient (to 1e-6)",
-          max(max(r["out_diff"], r["input_grad_diff"], r["grad_diff"]) for r in sp_runs) < 1e-6)
-    claim(f"each pass makes an all-gather of the token shares ({share} elements in) and a "
-          f"reduce-scatter of tokens × d = {cfg.tokens * cfg.d} elements where section 2 made "
-          "one all-reduce: the two halves of a ring all-reduce (lesson 06), so the same bytes "
-          "sent, and the two patterns async tensor parallelism fuses with their matmuls",
-          all(r["forward"] == r["backward"] == [("all_gather", share, share * 4),
-                                                ("reduce_scatter", cfg.tokens * cfg.d,
-                                                 cfg.tokens * cfg.d * 4)] for r in sp_runs))
-    print("saved for the backward, local shapes:", sp_runs[0]["saved_shapes"])
-    claim(f"memory: each rank holds {cfg.tokens // tp_ranks} of the {cfg.tokens} tokens, yet "
-          f"autograd saves the column layer's input all-gathered, {cfg.tokens} × {cfg.d} — "
-          "torch's layout does not divide that input by t",
-          all((cfg.tokens, cfg.d) in r["saved_shapes"]
-              and (cfg.tokens // tp_ranks, cfg.d) not in r["saved_shapes"] for r in sp_runs))
+    tp_answers.sp_collectives(sp_runs, cfg, share, tp_ranks)
+viz.show_code(tp_answers.sp_collectives, folded="▶ code: the claims — open after your lab passes")
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -1150,14 +1127,8 @@ with viz.folded_output("▶ One step's traffic on the mesh, each collective coun
                        "explained — open after your lab passes"):
     for dim, op, numel, nbytes, out_nbytes in step:
         print(f"{dim}: {op:>14}, {numel:5d} elements in, {out_nbytes:5d} bytes out")
-    claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2} tokens × "
-          f"{cfg.d}); along dp: one all-gather and one reduce-scatter of the row's {local} "
-          "parameters",
-          all(r["traffic"][-1] == [("dp", "all_gather", local // 2, local * 2, local * 4),
-                                   ("tp", "all_reduce", cfg.tokens // 2 * cfg.d,
-                                    cfg.tokens // 2 * cfg.d * 4, cfg.tokens // 2 * cfg.d * 4),
-                                   ("dp", "reduce_scatter", local, local * 4, local * 2)]
-              for r in mesh_runs))
+    tp_answers.mesh_traffic(mesh_runs, cfg, local)
+viz.show_code(tp_answers.mesh_traffic, folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
