@@ -137,8 +137,9 @@ from unittest import mock
 
 from dpcourse import devices, viz
 
-viz.show_code(devices.choose_profile, devices.backend_for,
-              folded="▶ devices.choose_profile and backend_for: the rules these claims test")
+viz.show_code(devices.hardware_report, devices.choose_profile, devices.backend_for,
+              folded="▶ devices.hardware_report, choose_profile and backend_for: the facts and "
+                     "rules these claims test")
 report = devices.hardware_report()
 profile = devices.choose_profile(report)
 
@@ -203,6 +204,9 @@ def hello(rank, world_size):
 results = launch.spawn(hello, 2, backend="gloo", timeout=60)
 print("results, in rank order:", results)
 claim("both ranks received the sum 10 + 20", results == [30.0, 30.0], results=results)
+viz.show(viz.spawn_figure(len(results), "gloo"), "the notebook asks the forkserver for each "
+         "rank; the ranks meet at rank 0's store, exchange data over gloo, send results back "
+         "on result_conn and exit when release_conn says every rank is done.")
 
 # %% [markdown]
 # How did `hello`, defined in this notebook, reach two new processes? A process that starts
@@ -544,6 +548,9 @@ viz.quiz(quizzes.questions("00"))
 #   end of `_new_process_group_helper`). `ProcessGroup._get_backend(device)` (used in the same
 #   file, e.g. in `_get_process_group_uid`; the aside's third run calls it): the backend
 #   serving one device type in a group.
+# - `torch/distributed/rendezvous.py` — `_env_rendezvous_handler` (the `env://` default, reading
+#   MASTER_ADDR and MASTER_PORT) calls `_create_c10d_store`, where `start_daemon = rank == 0`:
+#   rank 0 hosts the `TCPStore` the ranks meet at (the figure above).
 # - `torch/multiprocessing/spawn.py` — `spawn`: its `fn` "must be defined at the top level of a
 #   module so it can be pickled and spawned": pickled by name, as a notebook cell's function is
 #   (`__main__.hello`), it is looked up in the child's `__main__`, which is not the notebook:

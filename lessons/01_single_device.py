@@ -248,18 +248,21 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 import inspect
 import textwrap
 
-loop_src = inspect.getsource(train.train_one_epoch).splitlines()
-def line_of(text):
-    return next(i for i, line in enumerate(loop_src) if text in line)
+src_lines, first = inspect.getsourcelines(train.train_one_epoch)  # first: its line in train.py
+loop_src = [line.rstrip("\n") for line in src_lines]
+def line_of(text):                       # the line number in train.py of the first match
+    return first + next(i for i, line in enumerate(loop_src) if text in line)
+def lines(a, b):                         # train.py lines a to b - 1
+    return loop_src[a - first:b - first]
 start_at, stop_at = line_of("meter.start()"), line_of("meter.stop(")
 to_at, step_at = line_of(".to(device"), line_of("optimizer.step()")
 viz.show_code(textwrap.dedent("\n".join(
-    loop_src[line_of("for X, y in batches"):start_at + 1]
-    + [f"        ...  # lines {start_at + 1}-{stop_at - 2}: the training step (lab 01 §1)"]
-    + loop_src[stop_at - 1:stop_at + 1])))
-claim(f"in train_one_epoch's source the meter starts (line {start_at}) after the batch reached "
-      f"the device (line {to_at}) and stops (line {stop_at}) after optimizer.step() (line "
-      f"{step_at}, elided above)", to_at < start_at < step_at < stop_at)
+    lines(line_of("for X, y in batches"), start_at + 1)
+    + [f"        ...  # train.py lines {start_at + 1}-{stop_at - 2}: the step (lab 01 §1)"]
+    + lines(stop_at - 1, stop_at + 1))))
+claim(f"in train.py the meter starts (line {start_at}) after the batch reached the device "
+      f"(line {to_at}) and stops (line {stop_at}) after optimizer.step() (line {step_at}, "
+      "elided above)", to_at < start_at < step_at < stop_at)
 
 # %% [markdown]
 # **▶ `ThroughputMeter`, `make_loaders`, `TrainConfig` and `fit`** (click the folded cell below).
@@ -387,8 +390,9 @@ viz.show_code(train.rate_verdict, train.sign_test_p, train.compare_rates, train.
 
 # %% [markdown]
 # Where does one step's time go? `time_breakdown` charges each phase — waiting for the next
-# batch, forward, backward + step — separately. Our data sits in memory as one tensor, so
-# slicing batches out of it is nearly free. Give the loader a per-sample transform written in
+# batch, forward, backward + step — separately. Our data sits in memory as one tensor, so the
+# loader's work, indexing one sample at a time (a `TensorDataset` has no `__getitems__`) and
+# stacking them, is nearly free. Give the loader a per-sample transform written in
 # Python — here a flip, noise, and small random shifts of every row of every channel, one tensor
 # operation per row, the kind of augmentation image pipelines often do sample by sample — and the
 # same model spends a large part of its step waiting for data (how large depends on how fast
@@ -634,9 +638,13 @@ claim(f"each went first in some rounds: AMP in {sum(amp_first)}, float32 in "
 for amp, name in ((False, "float32"), (True, "AMP    ")):
     print(f"{name}: acc {acc_after[amp]:.3f}, median {np.median(amp_runs[amp]):6.0f} samples/s "
           "(runs: " + ", ".join(f"{r:.0f}" for r in amp_runs[amp]) + ")")
+rule = {"outliers": 0}                   # the batch sizes' rule: every round must be won
 print(f"On this {device.type}, one intra-op thread, this run: "
-      + train.compare_rates("float32", amp_runs[False], "AMP", amp_runs[True]))
-amp_verdict = train.rate_verdict(amp_runs[False], amp_runs[True])[0]  # compare_rates' rule
+      + train.compare_rates("float32", amp_runs[False], "AMP", amp_runs[True], **rule))
+amp_verdict = train.rate_verdict(amp_runs[False], amp_runs[True], **rule)[0]
+claim(f"this verdict uses the batch sizes' rule: winning {rounds - 1} of {rounds} rounds is "
+      "no clear difference under it", train.rate_verdict(
+          [1] * rounds, [2] * (rounds - 1) + [0], **rule)[0] == "unclear")
 print({"faster": "So on this machine AMP won even on this tiny model",
        "slower": "So on this machine AMP lost on this tiny model",
        "unclear": "So on this machine AMP made no clear difference on this tiny model"}[amp_verdict]
@@ -990,7 +998,11 @@ viz.quiz(quizzes.questions("01"))
 #   in the TF32 cell; `torch/backends/mkldnn/__init__.py` — `matmul`'s `fp32_precision`).
 # - `torch/nn/modules/module.py` — `Module.to(memory_format=torch.channels_last)`.
 # - `torch/utils/data/dataloader.py` — `DataLoader(num_workers=...)`: "how many subprocesses to
-#   use for data loading".
+#   use for data loading". `torch/utils/data/dataset.py` — `TensorDataset` defines
+#   `__getitem__`, no `__getitems__`; so `torch/utils/data/_utils/fetch.py` —
+#   `_MapDatasetFetcher.fetch` indexes one sample at a time (`[self.dataset[idx] for idx in
+#   ...]`) and collates the list (`torch/utils/data/_utils/collate.py` — `collate_tensor_fn`:
+#   `torch.stack(batch, 0, ...)`).
 # - `torch/utils/data/distributed.py` — `DistributedSampler`: each process loads "a subset of
 #   the original dataset that is exclusive to it"; `set_epoch` changes the shuffle from epoch to
 #   epoch (lesson 03 runs both).

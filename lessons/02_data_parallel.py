@@ -95,8 +95,8 @@ claim("the chunks, put back together in device order, are the batch",
 # The real class gives each device `ceil(B/N)` samples in turn, which can use up the batch
 # before the last device: 6 samples on 4 devices are 3 chunks of 2, and 2 samples on 3 devices
 # are 2 chunks of 1. The real `nn.DataParallel` then replicates onto only as many devices as
-# there are chunks (`self.device_ids[:len(inputs)]`), leaving the others idle; `dp.data_parallel`
-# does the same:
+# there are chunks (`self.device_ids[:len(inputs)]`), leaving the others idle; so does
+# `dp.data_parallel`, this lesson's whole DataParallel forward in one function (§4 shows it):
 
 # %%
 for b, n in ((6, 4), (2, 3), (batch, n_devices)):

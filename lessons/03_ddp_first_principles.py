@@ -8,10 +8,9 @@
 # - read a complete DDP training worker (process group, `DistributedDataParallel`, sharded
 #   data, the loop) and write its averaging step yourself;
 # - prove that averaging gradients by hand, DDP, and one process on the global batch agree;
-# - explain DDP's buckets — why, with a single cap (`bucket_cap_mb`, not a per-bucket list)
-#   and the default flags, the first iteration reduces a single bucket (the first two under
-#   `static_graph`) and how later buckets can overlap the backward — and measure how far a
-#   bucket can exceed its cap, from what you record;
+# - explain why DDP groups gradients into buckets, why by default its first iteration
+#   reduces them all in one bucket, and how later buckets can overlap the backward — and
+#   measure how far a bucket can exceed its size cap, from what you record;
 # - say which BatchNorm statistics each rank uses and rank 0 saves, and why;
 # - shard data with `DistributedSampler` and say what forgetting `set_epoch` does.
 #
@@ -476,7 +475,7 @@ else:
 #    does not average the gradients, for accumulating them over several batches: lesson 04),
 #    in `train()` or `eval()` mode alike (which forwards skip it, the buffers section
 #    measures). (Before torch 2.13 the switch was `broadcast_buffers`, now deprecated: its
-#    `False` also skips the broadcast at construction, `forward_sync_buffers=False` does not.)
+#    `False` also leaves the buffers out of item 1's broadcast; `forward_sync_buffers` does not.)
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (by default 25 MiB, and
 #    1 MiB for the first bucket, kept small "to reduce latency"; an explicit `bucket_cap_mb`
@@ -854,32 +853,38 @@ print(f"hook to callback, ms per MiB: {r0:.1f} for iteration 0's bucket, {r2:.1f
 last_grad = {k: max(t for _, t in it["grads"]) for k, it in (("0", first), ("2", third))}
 print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in iteration 0, "
       f"{last_grad['2']:.1f} ms in iteration 2 (compute alone, before any overlap could help).")
-tail = {k: it["backward_end"] - last_grad[k] for k, it in (("0", first), ("2", third))}
-print(f"after the last gradient, backward() waited {tail['0']:.1f} ms for communication in "
-      f"iteration 0 and {tail['2']:.1f} ms in iteration 2: "
-      + ("shorter in iteration 2, where earlier buckets went out during the backward."
-         if tail["2"] < tail["0"] else "not shorter in iteration 2 in this run: with gloo the "
-         "all-reduce shares the CPU cores with the backward, so overlap need not save time."))
+warm = static_runs[0][1]                # static_graph=True, iteration 1: one bucket, warm
+tail = {k: it["backward_end"] - max(t for _, t in it["grads"])
+        for k, it in (("0", first), ("2", third), ("warm", warm))}
+print(f"after the last gradient, backward() waited for communication {tail['0']:.1f} ms in "
+      f"iteration 0 (cold), {tail['warm']:.1f} ms in static_graph's iteration 1 (one bucket, "
+      f"warm) and {tail['2']:.1f} ms in iteration 2: "
+      + ("shorter than the warm single bucket, where earlier buckets went out during the "
+         "backward." if tail["2"] < tail["warm"] else "not shorter than the warm single bucket "
+         "in this run: with gloo the all-reduce shares the cores with the backward, so overlap "
+         "need not save time."))
 
 # %% [markdown]
 # Read the cell above in two parts. The time until the last gradient is compute alone, and
 # iteration 0, the run's first backward, can pay one-time costs there (allocating its memory,
 # for one). The time *after* the last gradient is communication the backward could not hide:
-# in iteration 0 the whole model's all-reduce; in iteration 2 only what the last buckets still
-# needed, since the others went out during the backward. The cell's last line says whether
-# that shortened the tail in this run (timed, so not asserted). The overlap
-# rests on the bucket's all-reduce being *asynchronous*: torch's `allreduce_hook` (which our
-# hook above calls) runs `dist.all_reduce(..., async_op=True)`, and DDP's internal
-# `_AllReduceBySumCommHook` (its path without a hook) likewise returns a future from its
-# `runHook`, so the backward goes on while a bucket is on the wire. Lesson 07 measures what
-# overlap buys.
+# the whole model's all-reduce with one bucket; in iteration 2 only what the last buckets still
+# needed. Iteration 0's bucket is also its process's first all-reduce, so the fair no-overlap
+# control is `static_graph`'s iteration 1 (folded above: one bucket, warm, another launch). The
+# last line says whether iteration 2's tail beat it in this run (timed, one sample each: not
+# asserted). The overlap rests on the bucket's all-reduce being *asynchronous*: torch's
+# `allreduce_hook` (which our hook above calls) runs `dist.all_reduce(..., async_op=True)`,
+# and DDP's internal `_AllReduceBySumCommHook` (its path without a hook) likewise returns a
+# future from its `runHook`, so the backward goes on while a bucket is on the wire. Lesson 07
+# measures what overlap buys.
 #
 # ### Buffers: rank 0's BatchNorm statistics, before a forward
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
 # them from the batch it sees, and eval mode normalises with them instead of the batch's. They
 # are buffers, so each rank updates its own from its own shard and no all-reduce touches them.
 # Before a forward through the wrapper, DDP broadcasts rank 0's buffers to the other ranks
-# (rank 0 is the "authoritative" copy) — but not before one that follows a forward run under
+# (rank 0 is the "authoritative" copy outside lesson 04's `Join`, where it is the
+# highest-numbered rank not yet joined) — but not before one that follows a forward run under
 # `torch.no_grad()` or inside `no_sync()`. After every forward, DDP notes whether that forward
 # ran with gradients enabled and outside `no_sync()`, and the next forward broadcasts only if
 # it did, whatever `train()` or `eval()` says. (In DDP's code: `_pre_forward` calls
@@ -1204,9 +1209,9 @@ claim("this torch's gloo can make its TCP transport and has no ibverbs one (libt
 #   can end several times the cap; how DDP groups them is lesson 07's.
 # - Before the first forward, and before each forward whose previous forward ran with gradients
 #   enabled and outside `no_sync()` (in `train()` or `eval()` mode alike), DDP broadcasts
-#   rank 0's buffers (`forward_sync_buffers=True`): every rank evaluates with rank 0's
-#   BatchNorm statistics, which come from rank 0's shards only. A forward that follows one
-#   under `no_grad` or `no_sync()` starts from each rank's own.
+#   rank 0's buffers (`forward_sync_buffers=True`; outside `Join`): every rank evaluates
+#   with rank 0's BatchNorm statistics, which come from rank 0's shards only. A forward that
+#   follows one under `no_grad` or `no_sync()` starts from each rank's own.
 # - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch, on every
 #   rank: forgotten everywhere, every epoch repeats the same order; called on some ranks only,
 #   the shards overlap.
@@ -1338,7 +1343,9 @@ viz.quiz(quizzes.questions("03"))
 #   `self.reducer._rebuild_buckets()` before a forward with `torch.is_grad_enabled()`, then `_sync_buffers()` when
 #   `_check_sync_bufs_pre_fwd()` (`will_sync_module_buffers`: `require_forward_param_sync`
 #   and `forward_sync_buffers` and the module has buffers); `_sync_buffers` uses rank 0 as the
-#   authoritative copy unless `Join` is active. `DistributedDataParallel._post_forward` sets
+#   authoritative copy unless `Join` is active, when `_find_common_rank` (an all-reduce MAX,
+#   joined ranks sending -1) picks the highest-numbered rank not yet joined.
+#   `DistributedDataParallel._post_forward` sets
 #   `require_forward_param_sync` to `True` only when `torch.is_grad_enabled()` and
 #   `require_backward_grad_sync` (which `no_sync()` turns off), to `False` otherwise;
 #   `__init__` starts it at `True`.

@@ -51,9 +51,8 @@ multiworker_timeout = 90
 # thing a TF notebook does — before any other TF code, in every fresh kernel. (Importing TF is
 # harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables unless you
 # set them: `TF_CPP_MIN_LOG_LEVEL=2` (no C++ log lines) and `TF_ENABLE_ONEDNN_OPTS=0` (no oneDNN
-# custom operations, Intel's fast CPU kernels). The last bits may still differ across machines
-# (float matrix products can still call oneDNN's `dnnl_sgemm`, chosen at run time: Sources), and
-# two ways of computing one number may add in different orders: comparisons state a tolerance.
+# custom operations, Intel's fast CPU kernels), through `tf_quiet.set_quiet_environment`
+# (its code is folded at the end of this section).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -94,6 +93,14 @@ claim("asking for the same split again is fine",
       devices.split_tf_devices(n_replicas) == device_names)
 claim("a smaller split is not refused: it is the first n devices of the existing one",
       devices.split_tf_devices(1) == device_names[:1])
+
+# %% [markdown]
+# **▶ `tf_quiet.set_quiet_environment`, the code** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+from dpcourse import tf_quiet
+
+viz.show_code(tf_quiet.set_quiet_environment, folded="▶ code: tf_quiet.set_quiet_environment")
 
 # %% [markdown]
 # ## 2. MirroredStrategy and mirrored variables
@@ -349,7 +356,10 @@ else:
 # passes a value of the same shape, and every replica gets back the same combination of all of
 # them, while the step is still running on each replica (`strategy.reduce`, by contrast, gives
 # one value on the host after `strategy.run` has returned). Every replica must make the call, in
-# the same order. Here each replica passes its own replica id, and their mean, (N − 1) / 2,
+# the same order. A **merge call** (`replica_context.merge_call(fn)`) is how replica-context code
+# reaches the cross-replica context: every replica pauses at the call, and `fn` runs once with
+# all replicas' values; this `all_reduce` goes through one whenever the strategy uses merge
+# calls. Here each replica passes its own replica id, and their mean, (N − 1) / 2,
 # comes back on every replica (`tf.distribute.ReduceOp` has two members, `SUM` and `MEAN`):
 
 # %%
@@ -368,17 +378,13 @@ claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all
       ids=ids, means=means)
 
 # %% [markdown]
-# *Optional on a first pass: lab 05 does not build on this part; you may skip to "Lab 05" and
-# come back.*
+# *Lab 05 builds on this part: read it before the lab.*
 #
 # What if one replica skips the call? TF's docstring of `all_reduce` says the operation then
-# "hangs". **Merge calls** explain why, under `MirroredStrategy` on this profile, it does not. A
-# merge call (`replica_context.merge_call(fn)`) is how replica-context code reaches the
-# cross-replica context: every replica pauses at the call, and `fn` runs once with all replicas'
-# values. The replica context's `all_reduce` goes through one whenever the strategy uses merge
-# calls (`ReplicaContextBase.all_reduce`), and so does Keras' `apply_gradients`, which calls that
-# `all_reduce`; `strategy.reduce` needs none, since it already runs in the cross-replica
-# context. In a `tf.function` a merge call runs while TF traces; eagerly, at each call.
+# "hangs". **Merge calls** explain why, under `MirroredStrategy` on this profile, it does not:
+# the replica context's `all_reduce` goes through one (`ReplicaContextBase.all_reduce`), and so
+# does Keras' `apply_gradients`, which calls that `all_reduce`; `strategy.reduce` needs none,
+# since it already runs in the cross-replica context. In a `tf.function` a merge call runs while TF traces; eagerly, at each call.
 #
 # A merge call is checked in two ways, depending on how the step runs (read in
 # `mirrored_run.py`, Sources). **Eagerly**, `strategy.run` counts each replica's merge calls —
@@ -537,6 +543,9 @@ with viz.folded_output("▶ The claim — open after your lab passes"):
 # %% [markdown]
 # Every proof from here on runs the course's Keras CNN, `mirrored.build_keras_cnn` (the twin of
 # `SmallCNN`; §7 comes back to two of its lines). **▶ Its code** (click the folded cell below).
+# Its comparisons state a tolerance: with oneDNN's custom operations off (§1), the last bits may
+# still differ across machines (float matrix products can still call oneDNN's `dnnl_sgemm`,
+# chosen at run time: Sources), and two ways of computing one number may add in different orders.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(mirrored.build_keras_cnn, folded="▶ code: mirrored.build_keras_cnn")
@@ -582,15 +591,10 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # %% [markdown]
 # ### The scaling bugs, in numbers
 #
-# The classic mistake is `tf.reduce_mean` per replica: each replica divides by *its own*
-# batch (global / N), and the strategy then **sums** N such gradients — the gradient is **N times
-# too big**; with SGD (momentum too) so is the step, like multiplying the learning rate by N, while
-# Adam, which divides by the gradient's own running size, barely notices — which is why the bug can
-# go unseen. The mirror image hits programmers coming from
-# DDP, which *averages* gradients: divide by the global batch *and* average over replicas, and
-# the gradient is **N× too small**.
+# Two classic mistakes are measured in the folded table after the next paragraph (open it after
+# your lab passes).
 #
-# The loss most Keras 3 code writes is neither: a Keras loss object,
+# The loss most Keras 3 code writes is a Keras loss object,
 # `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. A call of a Keras
 # loss with a mean reduction — the default `"sum_over_batch_size"`, or `"mean"` — takes the mean
 # of the per-example values its `call` returns (a scalar it returns as is: no mean, no 1/N;
@@ -615,6 +619,14 @@ viz.show_code(mirrored.keras_loss_per_replica,
 # %% [markdown]
 # <details><summary>▶ The seven pairings: per-replica loss × how gradients combine (part of lab 05 part 1's answer) — open after your lab passes</summary>
 #
+# The classic mistake is `tf.reduce_mean` per replica: each replica divides by *its own*
+# batch (global / N), and the strategy then **sums** N such gradients — the gradient is **N times
+# too big**; with SGD (momentum too) so is the step, like multiplying the learning rate by N, while
+# Adam, which divides by the gradient's own running size, barely notices — which is why the bug can
+# go unseen. The mirror image hits programmers coming from
+# DDP, which *averages* gradients: divide by the global batch *and* average over replicas, and
+# the gradient is **N× too small**.
+#
 # Measured and claimed below. With every replica's slice the same size, as in every training
 # step of this lesson, each framework is right only with its own pairing:
 #
@@ -634,51 +646,29 @@ viz.show_code(mirrored.keras_loss_per_replica,
 # </details>
 
 # %% [markdown]
-# **▶ Six of the seven pairings' gradients, measured** (the code is folded below; its output
-# shows). The table's second row is checked on its losses instead, in a folded claim after these.
+# **▶ Six of the seven pairings' gradients, measured — open after your lab passes** (click the
+# folded cell below: `mirrored_answers.measure_pairings`; its output and claims are folded too).
+# The table's second row is checked on its losses instead, in a folded claim after these.
 
-# %% jupyter={"source_hidden": true}
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 # (why: the factors are N, the number of replicas, which depends on the profile.)
-def norm(grads):
-    return float(np.sqrt(sum(np.sum(g * g) for g in grads)))
-
-cases = {
-    ("compute_average_loss", "sum"): mirrored.mirrored_gradients(strategy, replicated, xb, yb),
-    ("reduce_mean", "sum"): mirrored.mirrored_gradients(strategy, replicated, xb, yb, "reduce_mean"),
-    ("compute_average_loss", "mean"): mirrored.mirrored_gradients(strategy, replicated, xb, yb,
-                                                                  grad_reduce="mean"),
-    ("reduce_mean", "mean"): mirrored.mirrored_gradients(strategy, replicated, xb, yb,
-                                                         "reduce_mean", grad_reduce="mean"),
-    ("keras", "sum"): mirrored.mirrored_gradients(strategy, replicated, xb, yb, "keras"),
-    ("keras_over_replicas", "sum"): mirrored.mirrored_gradients(strategy, replicated, xb, yb,
-                                                                "keras_over_replicas"),
-}
-print(f"N = {n_replicas} replicas; |gradient| on one device: {norm(g_single):.4f}")
-ratios = {}
-for (loss_kind, reduce_kind), grads in cases.items():
-    ratios[loss_kind, reduce_kind] = norm(grads) / norm(g_single)
-    print(f"  {loss_kind:21s} + {reduce_kind.upper():4s}: |gradient| = {norm(grads):.4f} "
-          f"= {ratios[loss_kind, reduce_kind]:.3f} x the right one")
+viz.show_code(mirrored_answers.measure_pairings,
+              folded="▶ The pairings' code — open after your lab passes")
+with viz.folded_output("▶ The pairings' gradients and claims — open after your lab passes"):
+    ratios = mirrored_answers.measure_pairings(strategy, replicated, xb, yb, g_single)
 
 # %% [markdown]
-# **▶ The claims on those ratios** (the code is folded below; its claims show, one folded).
+# **▶ The claims on a Keras loss computed on the host** (the code is folded below; its claims
+# show).
 
 # %% jupyter={"source_hidden": true}
+def norm(grads):   # a gradient's (or a weight change's) norm, over all its tensors
+    return float(np.sqrt(sum(np.sum(g * g) for g in grads)))
+
+
 n = n_replicas
-right = abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4
-n_too_big = abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n
-n_too_small = abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4
 claim("these slices are equal: the global batch splits evenly", global_batch % n == 0)
-claim("compute_average_loss + SUM is right (ratio 1, to 1e-4)", right, ratios=ratios)
-claim("reduce_mean + SUM is N times too big (to 1e-4 relative)", n_too_big, ratios=ratios)
-claim("compute_average_loss + MEAN is N× too small (to 1e-4)", n_too_small, ratios=ratios)
-claim("reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
-      abs(ratios["reduce_mean", "mean"] - 1) < 1e-4, ratios=ratios)
-claim("a Keras loss object as is + SUM is right (to 1e-4): Keras scaled it",
-      abs(ratios["keras", "sum"] - 1) < 1e-4, ratios=ratios)
-claim("a Keras loss object divided by num_replicas_in_sync + SUM is N× too small (to 1e-4)",
-      abs(ratios["keras_over_replicas", "sum"] - 1 / n) < 1e-4, ratios=ratios)
 logits8, sce = single(xb[:8]), keras.losses.SparseCategoricalCrossentropy
 total = float(tf.reduce_sum(mirrored.per_example_loss(yb[:8], logits8)))
 outside_scope = float(sce(from_logits=True)(yb[:8], logits8))   # no strategy: the plain mean

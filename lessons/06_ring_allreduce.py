@@ -66,7 +66,7 @@ print("ranks for the training run:", world_size)
 # phases (t = 0 is the start), as the trace, the library's ring and lab 06 do. At step t,
 # worker i sends **chunk (i + 1 − t) mod N** to its right neighbour:
 #
-# * **scatter-reduce**, steps t = 1 … N−1: the neighbour *adds* the chunk to its own copy. Each
+# * **reduce-scatter**, steps t = 1 … N−1: the neighbour *adds* the chunk to its own copy. Each
 #   chunk travels around the ring collecting one more worker's contribution per step; after
 #   step N−1 worker i holds the **complete sum of chunk (i + 1) mod N**.
 # * **all-gather**, steps t = N … 2(N−1): the chunk sent is a finished one (at step N, worker i
@@ -89,7 +89,7 @@ total = np.sum(arrays, axis=0)
 claim("every worker ends with the elementwise sum",
       all(np.array_equal(buf, total) for buf in trace.result))
 claim("it took 2(N−1) steps", len(trace.steps) - 1 == 2 * (N - 1))
-claim("after the scatter-reduce, worker i owns the complete chunk (i + 1) mod N",
+claim("after the reduce-scatter, worker i owns the complete chunk (i + 1) mod N",
       all(trace.steps[N - 1].contributions[i, (i + 1) % N] == N for i in range(N)))
 claim("at every step t = 1 … 2(N−1), worker i sent chunk (i + 1 − t) mod N to worker i + 1",
       all((tr.src, tr.dst, tr.chunk) == (i, (i + 1) % N, (i + 1 - t) % N)
@@ -117,7 +117,7 @@ stepper = viz.ring_stepper(trace)
 # %% [markdown]
 # ## 2. What it costs: 2(N−1)K/N bytes per worker
 #
-# Each worker sends N−1 chunks in the scatter-reduce and N−1 in the all-gather, each K/N of
+# Each worker sends N−1 chunks in the reduce-scatter and N−1 in the all-gather, each K/N of
 # the K bytes: **2(N−1)K/N**. The count grows with N (K at N = 2, 1.75K at N = 8) but stays
 # **under 2K, a bound independent of N**. When N does not divide the length, the chunks differ
 # by one element, and each worker's count is within one element per step of the formula.
@@ -167,8 +167,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #   a partial sum send all K bytes of it to a partner, which adds), then a broadcast of the sum
 #   back down the same rounds;
 # * **Rabenseifner's algorithm** (what MPICH, a widely used MPI library, runs for long
-#   messages), for N = p a power of two: a reduce-scatter (§1's scatter-reduce: each worker
-#   ends with the sum of one part) by *recursive halving* (in round 1 each worker swaps half its array with
+#   messages), for N = p a power of two: a reduce-scatter (as in §1, each worker ends with
+#   the sum of one part) by *recursive halving* (in round 1 each worker swaps half its array with
 #   the partner p/2 away and adds the half it keeps; in round 2 half of that half with the
 #   partner p/4 away, …), then an all-gather by *recursive doubling*, the same rounds
 #   backwards. A worker sends K/2 + K/4 + … = (p−1)K/p in each phase, 2(p−1)K/p in all — the
@@ -181,7 +181,12 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # takes N messages a step, priced at one α, as if they went at once at full rate, without
 # *incast* (N senders jamming one link) — the server's best case (one by one: Nα a step). The
 # *critical path* is the chain of steps that must follow one another: the time pays α per
-# step and β per byte on it. The costs (`ring.cost`; its code is folded below):
+# step and β per byte on it. The table counts bytes two ways: links are *full duplex* (a
+# bandwidth each way). The naive way, the server and the tree receive everything, *then* send
+# it, so their time pays for both directions in turn; in a ring and in Rabenseifner's exchanges
+# every worker sends and receives at once, so it pays for one. Per direction (the busiest-link
+# column) the ring's link carries under 2K, the server's NK. The costs (`ring.cost`; its code is
+# folded below):
 #
 # | algorithm | steps (α terms) | bytes the time pays for (critical path) | busiest link, one direction | time |
 # |---|---|---|---|---|
@@ -193,20 +198,13 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # | Rabenseifner, other N (p < N the largest power of two) | 2log₂p + 2 | 2(p−1)K/p + 2K | 2(p−1)K/p + K | the line above + 2(α + Kβ) |
 
 # %% [markdown]
-# Two ways of counting bytes, on purpose: links are *full duplex* (each direction has its own
-# bandwidth). The naive way, the server and the tree receive everything and *then* send it, so
-# their time pays for both directions one after the other; in a ring, and in Rabenseifner's
-# exchanges, every worker sends and receives at the same time, so the time pays for one
-# direction. Counted per direction, the conclusion stands: the ring's link carries under 2K,
-# the server's NK.
-#
 # How good can an all-reduce get? Chan et al. (2007, Sources) prove,
 # for this model with a worker sending one message and receiving one at a time, that any
 # all-reduce needs at least **⌈log₂N⌉ steps** (a step can at most double the number of
 # workers' inputs a result depends on) and at least **2(N−1)/N·Kβ** of transfer time. The ring
 # meets the bandwidth bound exactly and misses the latency bound, 2(N−1) steps against
-# ⌈log₂N⌉. So the ring is "bandwidth-optimal, latency-suboptimal": a consequence of their
-# bounds, held below against the simulators' counts up to N = 64 (at 1024, arithmetic only).
+# ⌈log₂N⌉. So the ring is "bandwidth-optimal, latency-suboptimal", held below against the
+# simulators' counts up to N = 64 (at 1024, arithmetic only).
 # The lesson's other algorithms take 2⌈log₂N⌉ steps or more (the server fewer, by taking N messages at once).
 # *Recursive doubling* meets the latency bound, for N a power of two: in each of log₂N rounds every
 # worker swaps its whole array with a partner and adds, log₂N(α + Kβ), half the tree's time —
@@ -216,15 +214,16 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # 2Kβ); its latency term grows with N without bound. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
 # its bandwidth term is 2⌈log₂N⌉Kβ (the figure's "binomial tree (unpipelined)": its message is not
-# *pipelined*, cut into segments that travel one behind another, §4 — the textbook's slowest variant;
-# NCCL's tree pipelines, folded below). So, in the
-# model, among the five: a ring for big gradients or very few ranks, Rabenseifner's otherwise
-# (the tree's steps, fewer bytes: unpipelined, the tree never wins here), or the server if N
-# pushes cost one α (the naive way, the ring and the tree checked below). One server's link carries NK bytes each way, growing with every worker. Real ones shard: TF's `ParameterServerStrategy` puts whole variables on its S
-# servers round robin (splitting one only with a `variable_partitioner`), so about NK/S per
-# link when the variables are many and alike; with a shard on every worker, each sends K/N to
-# each of the N − 1 others twice: 2(N−1)K/N, the ring's bytes (arithmetic). With an
-# illustrative α = 10 µs and 10 GB/s links, 100 MB on 8 workers:
+# *pipelined*, cut into segments that travel one behind another, §4; NCCL's tree pipelines,
+# folded below). So, in the model, among the five: at N a power of two Rabenseifner's never
+# loses to the ring or the tree; at other N the ring wins big messages (Rabenseifner's then pays
+# two extra K-byte steps); the tree never wins here; the server may, if N pushes cost one α (the
+# naive way, the ring and the tree checked below). Real parameter servers shard: TF's
+# `ParameterServerStrategy` puts whole variables on its S servers round robin (splitting one
+# only with a `variable_partitioner`), so about NK/S per link when the variables are many and
+# alike; with a shard on every worker, each sends K/N to each of the N − 1 others twice:
+# 2(N−1)K/N, the ring's bytes (arithmetic). With an illustrative α = 10 µs and 10 GB/s links,
+# 100 MB on 8 workers:
 
 # %%
 alpha_demo, beta_demo = 10e-6, 1 / 10e9
@@ -326,11 +325,11 @@ NAMES = {"naive": "the naive way", "parameter-server": "the parameter server", "
          "tree": "the binomial tree", "rabenseifner": "Rabenseifner's algorithm"}
 viz.show(viz.cost_figure(alpha_demo, beta_demo),
          f"under the α-β model with α = 10 µs and 10 GB/s links, all five algorithms (time on a "
-         f"log scale): for big messages the ring's time levels off in N (its bandwidth term "
-         f"stays under 2Kβ), while the naive way and the server grow. In the "
-         f"right panel, for 1 KB at N = 8 {NAMES[best8]} is the cheapest "
-         f"({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, only if its one link takes N pushes "
-         f"for one α: no incast); without a server, {NAMES[best8_serverless]} "
+         f"log scale; left, one flat step per whole N: Rabenseifner's jumps after each power of "
+         f"two): for big messages the ring's time levels off in N (its bandwidth term stays under "
+         f"2Kβ), while the naive way and the server grow. Right, for 1 KB at N = 8 {NAMES[best8]} "
+         f"is the cheapest ({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, only if its one link "
+         f"takes N pushes for one α: no incast); without a server, {NAMES[best8_serverless]} "
          f"({ring.cost(best8_serverless, 8, 1e3, 0, 0).steps} steps).")
 
 # %% [markdown]
@@ -934,10 +933,10 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 #
 # ## Lab 06: the ring, simulated then real
 #
-# Open [lab06_ring_allreduce](../labs/lab06_ring_allreduce.ipynb): you write the scatter-reduce and
+# Open [lab06_ring_allreduce](../labs/lab06_ring_allreduce.ipynb): you write the reduce-scatter and
 # the all-gather in the simulator — for finishing layouts §1 does not show, given as a
 # parameter, so you derive which chunk goes where yourself — then the real ring from its
-# contract, and in its stretch a segmented, pipelined scatter-reduce. Do it before reading on.
+# contract, and in its stretch a segmented, pipelined reduce-scatter. Do it before reading on.
 
 # %% [markdown]
 # **▶ The reference answer — open after your lab passes** (click the folded cells below: why
@@ -962,7 +961,7 @@ if cores < max(fit_world_sizes) and len(one_kib) > 1:
 #
 # The pipelining (lab 06's stretch): a rank sends at step t+1 the chunk it received at step t,
 # so a chunk larger than a segment (4 MiB by default) travels in segments, each forwarded once
-# it has arrived (and been added, in the scatter-reduce) while the next are on their way. How
+# it has arrived (and been added, in the reduce-scatter) while the next are on their way. How
 # far ahead to run is the stretch's decision; the library and gloo differ.
 # The library posts a step's segment receives all at once and re-posts each for the next step
 # once its segment is handled: **as many receives in flight as a chunk has segments**, into two
@@ -1009,7 +1008,7 @@ viz.show_code(ring.chunk_bounds, ring.receive_buffer, ring.ring_allreduce,
 # model, not a measurement: a whole chunk takes one *transfer time* on a link and half of one
 # to add; a link carries one segment at a time; a rank adds one segment at a time while its link
 # goes on sending; and a rank forwards segment j of a chunk once that segment has arrived and, in
-# the scatter-reduce, been added. Four ranks, each chunk sent whole, then in 4 segments.
+# the reduce-scatter, been added. Four ranks, each chunk sent whole, then in 4 segments.
 #
 # The model charges no per-message latency, so in it more segments are never slower. On a real
 # link every segment pays §3's α, which bounds the number of segments: gloo's 1 MiB and the
@@ -1030,7 +1029,7 @@ timelines = {S: ring.pipeline_schedule(N_PIPE, S, transfer=1.0, add=ADD) for S i
 
 def waits_for_its_segment(slots):
     """Every segment a rank sends after step 1 left only once it had arrived there (and, in the
-    scatter-reduce, been added), and it is the chunk that rank received the step before."""
+    reduce-scatter, been added), and it is the chunk that rank received the step before."""
     got = {(s.rank if s.kind == "add" else (s.rank + 1) % N_PIPE, s.step, s.segment): s
            for s in slots if s.kind == "add" or s.step >= N_PIPE}
     return all(s.start >= got[(s.rank, s.step - 1, s.segment)].end - 1e-12
@@ -1041,7 +1040,7 @@ def waits_for_its_segment(slots):
 done = {S: max(s.end for s in slots) for S, slots in timelines.items()}
 with viz.folded_output("▶ The timeline — open after your lab passes"):
     claim("in both timelines a segment leaves a rank only after it arrived there (and was added, "
-          "in the scatter-reduce), and it is the chunk that rank received the step before",
+          "in the reduce-scatter), and it is the chunk that rank received the step before",
           all(waits_for_its_segment(slots) for slots in timelines.values()))
     claim(f"whole chunks: 2(N−1) transfers and N−1 additions one after another, done at "
           f"{done[1]:g}; in 4 segments every addition hides under the next segment's transfer, "
@@ -1054,7 +1053,7 @@ viz.show(viz.pipeline_figure(
     caption=f"each row is one rank's link to its right neighbour; a box is a segment of a chunk "
             f"on it (chunk.segment), a grey bar under it that rank adding a segment it received. "
             f"Top: every step waits for its addition, and the links idle {ADD:g} of a "
-            f"transfer time per scatter-reduce step. Bottom: segment j is added while segment "
+            f"transfer time per reduce-scatter step. Bottom: segment j is added while segment "
             f"j + 1 is on the wire, so no link ever idles. Segment 0.0 reaches rank 1, is added there "
             f"by {first.end:g} and leaves again at {onward.start:g}: what now decides the time "
             f"is the link, not the addition (the dotted line: the all-gather starts). The model "

@@ -151,7 +151,7 @@ zero_calculator = viz.explorer(
 # %% [markdown]
 # ## 2. ZeRO-1: shard the optimizer state
 # See all the parameters as one flat vector of Ψ numbers cut into N slices, one per rank (padded
-# to a multiple of N: `flatten_padded`, section 3). Rank r keeps the fp32 master copy and Adam's state for slice
+# to a multiple of N: `flatten_padded`, folded before `Zero1` below). Rank r keeps the fp32 master copy and Adam's state for slice
 # r only, so the optimizer state costs 12Ψ/N instead of 12Ψ. A step:
 #
 # 1. the backward, as always: every rank has the full gradient of its own micro-batch;
@@ -175,6 +175,15 @@ zero_calculator = viz.explorer(
 
 # %%
 viz.show_code(zero.Stage, zero.Replicated, zero.grads_of, zero.optimizer_tensors)
+
+# %% [markdown]
+# **▶ The flat-shard helpers, ZeRO-1's substrate (not lab 08's answer: open them any
+# time)** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
+              zero.all_gather_flat, zero.copy_flat_into,
+              folded="▶ The flat-shard helpers (ZeRO-1's substrate; not lab 08's answer)")
 
 # %% [markdown]
 # `Zero1`, section 2's stage 1: its master and Adam state are this rank's slice of the flat,
@@ -202,15 +211,6 @@ viz.show_code(zero.Zero1.__init__, zero.Zero1.gradient_slice, zero.Zero1.step)
 # memory alive at every arrival, and you predict the peak before you measure it. The tool it
 # needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). Below, the
 # library's pieces of the lab are folded behind ▶ labels.
-
-# %% [markdown]
-# **▶ The flat-shard helpers, ZeRO-1's substrate (not lab 08's answer: open them any
-# time)** (click the folded cell below).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(zero.shard_numel, zero.flatten_padded, zero.reduce_scatter_mean,
-              zero.all_gather_flat, zero.copy_flat_into,
-              folded="▶ The flat-shard helpers (ZeRO-1's substrate; not lab 08's answer)")
 
 # %% [markdown]
 # **▶ `Zero2` whole, where its `step()` sends the gradients — open after your lab passes**
@@ -337,8 +337,7 @@ claim(f"ZeRO-3: weights after {steps} steps == torch DDP's (to 1e-5)", max_diff(
 # each layer's weights all-gathered twice and its gradients reduce-scattered once, Ψ padded
 # to a multiple of N.
 # `zero.traffic_per_step` computes that formula and `zero.summarize_traffic` the recorded
-# volume; both are shown in section 5, where the one is checked against the other for every
-# stage.
+# volume (folded in the cell; section 5 checks the one against the other for every stage).
 
 # %%
 awkward = experiments.ZeroConfig(steps=steps, frozen_and_tied=True)
@@ -366,6 +365,8 @@ print(f"ZeRO-3 with the tied layer: {extra} bytes above the 3Ψ formula")
 claim("Zero3 sends more than 3Ψ here: the tied layer is all-gathered once more (for the second "
       "layer's forward)",
       extra == 4 * world_size * zero.shard_numel(tied_layer, world_size))
+viz.show_code(zero.traffic_per_step, zero.summarize_traffic,
+              folded="▶ code: traffic_per_step and summarize_traffic")
 
 # %% [markdown]
 # What that looks like in time: one step of `Zero3`, timed from the calls themselves. A

@@ -203,20 +203,9 @@ claim("autograd also references whole weights, not shards — three of the four 
 # </details>
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-def saved_by_linear(x):
-    """The shapes a Linear(48, 48) saves for its backward, on input x."""
-    shapes = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
-                                                  lambda t: t):
-        torch.nn.Linear(48, 48)(x)
-    return shapes
-
-
-data = torch.randn(8, 48)
-as_data, as_leaf = saved_by_linear(data), saved_by_linear(data.clone().requires_grad_())
 with viz.folded_output("▶ Which three, checked — open after lab 11's part 6 passes"):
-    tp_answers.linear_saves_weight(as_data, as_leaf)
-viz.show_code(tp_answers.linear_saves_weight,
+    tp_answers.linear_saves_weight(torch.randn(8, 48))
+viz.show_code(tp_answers.saved_by_linear, tp_answers.linear_saves_weight,
               folded="▶ code: the claim — open after lab 11's part 6 passes")
 
 # %% [markdown]
@@ -551,19 +540,11 @@ viz.show_code(tp_answers.tp_passes, folded="▶ code: the claim — open after y
 # </details>
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-dp_bytes = cfg.num_params * 4
-tp_one = cfg.tokens * cfg.d * 4
-d_gpt, s_gpt = gpt3.hidden, gpt3.seq_len
-mlp_params = 8 * d_gpt * d_gpt
-tp_elems = s_gpt * d_gpt
 with viz.folded_output("▶ Tensor parallelism's messages weighed against data parallelism's, "
                        "here and in GPT-3's MLP — open after your lab passes"):
-    print(f"this MLP: DP all-reduces {dp_bytes} bytes per step; one TP message is over "
-          f"{tp_one} ({tp_one / dp_bytes:.2f}×)")
-    claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: one tensor-parallel "
-          f"message is over s·d = {tp_elems / 1e6:.0f} M numbers, data parallelism the "
-          f"{mlp_params / 1e9:.2f} B weights' gradients once per step — "
-          f"{mlp_params / tp_elems:.0f}× one sequence's", mlp_params / tp_elems > 20)
+    tp_answers.tp_messages_weighed(cfg, gpt3)
+viz.show_code(tp_answers.tp_messages_weighed,
+              folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
 # A real step holds many sequences. Section 5's published run splits its batch over D
@@ -579,8 +560,8 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
       "per replica and step")
 
 # %% [markdown]
-# Tensor parallelism pays for each of those micro-batches, while data parallelism's bytes (with
-# `no_sync()`) do not grow with the batch. And *when* the bytes travel matters more:
+# What those micro-batches do to each side's bytes is the fold above (lab 11's answer).
+# And *when* the bytes travel matters more:
 # DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's collectives sit
 # between one matmul and the next. Some can hide behind a matmul that does not need their
 # result (the fold says which); the rest only with communication–matmul overlap, which
@@ -607,10 +588,15 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # matmul that does not need its result, when the run sets `CUDA_DEVICE_MAX_CONNECTIONS=1`
 # (which matmul, why it can, and why the variable, is in the reference answer folded after lab
 # 11's pointer); with sequence parallelism the reduce-scatters that replace them overlap the
-# same way, under the same condition. torch's `ColwiseParallel` and `RowwiseParallel` issue
-# their redistributions with `async_op=True`, but in eager mode that returns an
-# `AsyncCollectiveTensor`, which waits for the collective before its first use — the very
-# next operation — so nothing overlaps there. torch's *async tensor parallelism*
+# same way, under the same condition. In torch, *f* here sends nothing in the forward
+# (its input is already `Replicate()`, the layout `ColwiseParallel` wants), and its backward
+# all-reduce runs synchronously inside `_FromTorchTensor.backward`
+# (`redistribute_local_tensor`, `async_op=False`); *g*'s forward redistribution, and
+# `ColwiseParallel`'s input redistribution when the layouts differ (sequence parallelism),
+# pass `async_op=True`, but in eager mode that returns an `AsyncCollectiveTensor`, which
+# waits for the collective before its first use — the very next operation. So nothing
+# overlaps there either (the folded cell below reads those lines). torch's
+# *async tensor parallelism*
 # (`torch._inductor.config._micro_pipeline_tp`, compiled models only) cuts a collective and
 # its matmul into pieces that overlap, but it matches only an all-gather feeding a matmul
 # and a matmul feeding a reduce-scatter (`fused_all_gather_matmul`,
@@ -624,6 +610,13 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # NVLink inside a node, not the network between nodes.
 #
 # </details>
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+with viz.folded_output("▶ Where torch's f and g redistribute, read in its source — open after "
+                       "your lab passes"):
+    tp_answers.torch_tp_redistributions()
+viz.show_code(tp_answers.torch_tp_redistributions,
+              folded="▶ code: the claims — open after your lab passes")
 
 # %% [markdown]
 # ### torch's version: `parallelize_module` and DTensor
@@ -723,12 +716,11 @@ viz.show_code(tensor_parallel.sequence_parallel_worker,
               folded="▶ The sequence-parallel worker — open after your lab passes")
 sp_runs = launch.spawn(tensor_parallel.sequence_parallel_worker, tp_ranks, cfg, backend="gloo",
                        timeout=120)
-share = cfg.tokens // tp_ranks * cfg.d
 with viz.folded_output("▶ Sequence parallelism run, checked and its collectives counted "
                        "— open after your lab passes"):
     print("forward:", sp_runs[0]["forward"], " backward:", sp_runs[0]["backward"],
           " (op, elements in, bytes in)")
-    tp_answers.sp_collectives(sp_runs, cfg, share, tp_ranks)
+    tp_answers.sp_collectives(sp_runs, cfg, tp_ranks)
 viz.show_code(tp_answers.sp_collectives, folded="▶ code: the claims — open after your lab passes")
 
 # %% [markdown]
@@ -750,8 +742,9 @@ viz.show_code(tp_answers.sp_collectives, folded="▶ code: the claims — open a
 # %% [markdown]
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
 # Tensor parallelism cuts every layer; **pipeline parallelism** cuts the model into K
-# **stages** of consecutive layers, one per rank, and passes activations forward
-# (`send`/`recv`, lesson 06) and their gradients backward. With one batch only one stage
+# **stages** of consecutive layers, one per rank (K is the stages from here on, as in lab 11;
+# lesson 06's K was a message's size, lesson 08's the optimizer's bytes per parameter), and
+# passes activations forward (`send`/`recv`, lesson 06) and their gradients backward. With one batch only one stage
 # works at a time, so the batch is cut into M **micro-batches** that follow each other
 # through the stages (GPipe, Huang et al. 2019); each stage *accumulates* the M micro-batches'
 # gradients, which must come out as the whole batch's. Stages
@@ -1121,13 +1114,9 @@ viz.show(viz.mesh_2d_figure(mesh_runs, cfg.d, cfg.h),
 # lab passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-local = cfg.num_params // 2 + cfg.d // 2          # what one tp rank of the library's MLP holds
-step = mesh_runs[0]["traffic"][-1]
 with viz.folded_output("▶ One step's traffic on the mesh, each collective counted and "
                        "explained — open after your lab passes"):
-    for dim, op, numel, nbytes, out_nbytes in step:
-        print(f"{dim}: {op:>14}, {numel:5d} elements in, {out_nbytes:5d} bytes out")
-    tp_answers.mesh_traffic(mesh_runs, cfg, local)
+    tp_answers.mesh_traffic(mesh_runs, cfg)
 viz.show_code(tp_answers.mesh_traffic, folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
@@ -1486,9 +1475,9 @@ claim(f"the planner puts ZeRO-3 alone at {ratio:.1f}× the step time of its best
 # - **Tensor parallelism** (Megatron-LM): a column-parallel layer then a row-parallel one,
 #   with two operations *f* and *g* carrying the communication (which pass of each, and
 #   why they are called *conjugate*, is lab 11; the folded reference answer in section 2).
-#   Collectives over the activations in every MLP and attention block, for every
-#   micro-batch, on the critical path unless hidden behind a matmul (which ones, and how:
-#   folded in section 2): keep it inside a node.
+#   Communication in every MLP and attention block (what it carries: lab 11), on the
+#   critical path unless hidden behind a matmul (which ones, and how: folded in section 2):
+#   keep it inside a node.
 #   torch's `parallelize_module` (`ColwiseParallel`, `RowwiseParallel`, DTensor) does the same and
 #   sends the same.
 # - **Pipeline parallelism**: K stages, M micro-batches, gradients accumulated into the whole
@@ -1651,15 +1640,19 @@ viz.quiz(quizzes.questions("11"))
 # ### Sources, continued
 #
 # - `torch/distributed/tensor/parallel/style.py` — `ColwiseParallel._prepare_input_fn`
-#   (torch's *f*) and `RowwiseParallel._prepare_output_fn` (torch's *g*); both styles' hooks
-#   redistribute with `async_op=True`. `ColwiseParallel(input_layouts=Shard(0))` and
+#   (torch's *f*: it redistributes, with `async_op=True`, only `if input_layouts !=
+#   desired_input_layouts`, so not in the plain layout) and `RowwiseParallel._prepare_output_fn`
+#   (torch's *g*: `outputs.redistribute(..., async_op=True)`).
+#   `ColwiseParallel(input_layouts=Shard(0))` and
 #   `RowwiseParallel(output_layouts=Shard(0))`, sequence parallelism's layout: the hooks
 #   redistribute between `Shard(0)` and the layer's own placements (the comment in
 #   `RowwiseParallel._prepare_output_fn`; what each costs: section 2's folded
 #   sequence-parallelism cell).
 # - `torch/distributed/tensor/_api.py` — `_FromTorchTensor.backward` (the backward of
-#   `DTensor.from_local`; what it does for *f*: section 2's folded answer);
-#   `torch/distributed/tensor/_redistribute.py` — `_redistribute_backward` (what it does for
+#   `DTensor.from_local`; what it does for *f*: section 2's folded answer; it calls
+#   `redistribute_local_tensor` without `async_op`, whose default is `False`);
+#   `torch/distributed/tensor/_redistribute.py` — `redistribute_local_tensor` (the
+#   `async_op: bool = False` default) and `_redistribute_backward` (what it does for
 #   *g*: the same).
 # - `torch/distributed/tensor/placement_types.py` — `Partial._reduce_value`: a Partial DTensor
 #   becomes Replicate through `funcol.all_reduce`, a functional collective

@@ -270,7 +270,9 @@ lab04.check_prediction(guess, labels, per_rank)
 #   `is_main` true on rank 0). Afterwards there is one file at `path`, written by rank 0 alone;
 #   the weights in it are the **unwrapped** model's (a plain model must be able to load them),
 #   and a crash in the middle of a save leaves the previous checkpoint readable at `path` (the
-#   check stops one save halfway through to see).
+#   check stops one save halfway through to see). Lesson 04's `save_checkpoint` and
+#   `load_checkpoint`, imported below, may do the writing and reading: that part is given;
+#   what the state must hold is yours to decide.
 # * `resume_training_state(path, model, optimizer)` — called on every rank at the start, after
 #   the model is wrapped; **returns the first epoch still to do**, or 0 when there is no file
 #   (`load_checkpoint` returns None then).

@@ -6,7 +6,7 @@
 #
 # 1. `scatter_reduce(buffers, owner)` and `all_gather(buffers, owner)` — the two phases, in
 #    NumPy, on a list of N arrays (one per simulated worker), for a finishing layout that is a
-#    parameter: worker i must end the scatter-reduce holding the full sum of **chunk
+#    parameter: worker i must end the reduce-scatter holding the full sum of **chunk
 #    owner[i]**;
 # 2. `ring_allreduce(tensor, op)` — the same on real processes, with blocking point-to-point
 #    messages whose order you decide.
@@ -25,7 +25,7 @@ from dpcourse import ring
 from dpcourse.checks import lab06, predict
 
 # %% [markdown]
-# ## 1. Scatter-reduce
+# ## 1. Reduce-scatter
 #
 # The contract of `scatter_reduce(buffers, owner=None)`:
 #
@@ -86,13 +86,13 @@ lab06.check_worker0_sends(worker0_sends)
 
 # %%
 def scatter_reduce(buffers, owner=None):
-    """Scatter-reduce in place over ``buffers``, a list of N equally long 1-D arrays:
+    """Reduce-scatter in place over ``buffers``, a list of N equally long 1-D arrays:
     afterwards worker i holds the full sum of chunk owner[i] (owner None: chunk i)."""
     n = len(buffers)
     owner = list(range(n)) if owner is None else list(owner)
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for t in range(1, n):  # steps t = 1 .. N-1, numbered as in lesson 06
-        ### BEGIN SOLUTION: one scatter-reduce step
+        ### BEGIN SOLUTION: one reduce-scatter step
         for i in range(n):  # no copy: worker i + 1 does not send chunk c in this step
             c = owner[(i - t) % n]  # it ends on worker i - t: N - 1 - t hops past worker i + 1
             buffers[(i + 1) % n][slice(*bounds[c])] += buffers[i][slice(*bounds[c])]
@@ -129,9 +129,9 @@ _ = lab06.check_scatter_reduce(scatter_reduce)
 # %% [markdown]
 # <details><summary>▶ Hint 3 — the shape of the code</summary>
 #
-# The same step as the scatter-reduce (one write per worker, and no copy, for part 1's
+# The same step as the reduce-scatter (one write per worker, and no copy, for part 1's
 # reason: no worker sends, in a step, the chunk it receives into), a lookup in `owner` that
-# gives worker i its own finished chunk at step N, and an assignment where the scatter-reduce
+# gives worker i its own finished chunk at step N, and an assignment where the reduce-scatter
 # added.
 #
 # </details>
@@ -145,7 +145,7 @@ def all_gather(buffers, owner=None):
     bounds = ring.chunk_bounds(len(buffers[0]), n)
     for t in range(n, 2 * n - 1):  # steps t = N .. 2(N-1), numbered on as in lesson 06
         ### BEGIN SOLUTION: one all-gather step
-        for i in range(n):  # no copy, as in the scatter-reduce
+        for i in range(n):  # no copy, as in the reduce-scatter
             c = owner[(i - t) % n]  # at t = N: owner[i], worker i's own finished chunk
             buffers[(i + 1) % n][slice(*bounds[c])] = buffers[i][slice(*bounds[c])]
         ### END SOLUTION
@@ -165,7 +165,7 @@ buffers = [np.arange(7.0) * (w + 1) for w in range(5)]
 expected = np.sum(buffers, axis=0)
 bounds = ring.chunk_bounds(7, 5)
 scatter_reduce(buffers, owner)
-claim("after the scatter-reduce, worker i holds the full sum of chunk owner[i]",
+claim("after the reduce-scatter, worker i holds the full sum of chunk owner[i]",
       all(np.array_equal(buffers[i][slice(*bounds[c])], expected[slice(*bounds[c])])
           for i, c in enumerate(owner)))
 all_gather(buffers, owner)
@@ -250,7 +250,7 @@ guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", 
 #
 # Flatten the tensor once and cut it into N chunks that are views of it, so that whatever lands
 # in a chunk lands in `tensor`. A rank plays one worker of your simulation: the same indices with
-# the rank as i. What it receives in the scatter-reduce must be added, so it needs a place to
+# the rank as i. What it receives in the reduce-scatter must be added, so it needs a place to
 # land first; what it receives in the all-gather may land where it belongs. (Any layout will
 # do here: only the final tensor is compared; `owner[i] = i` is the simplest.) A rank stuck in
 # `send` waits for its right neighbour, one stuck in `recv` for its left: when can such waits
@@ -263,7 +263,7 @@ guess = predict("lab06", "most bytes one rank sends for N = 4, K = 10 float32", 
 # <details><summary>▶ Hint 3 — the shape of the code</summary>
 #
 # A small helper that, for one step, makes this rank's send and receive in the order your rule
-# gives this rank; a loop of N − 1 scatter-reduce steps (helper, then an in-place add); a loop of
+# gives this rank; a loop of N − 1 reduce-scatter steps (helper, then an in-place add); a loop of
 # N − 1 all-gather steps (helper only); then the in-place division for the average.
 #
 # </details>
@@ -351,7 +351,7 @@ except lab06.LabCheckError as err:
     print(err)
 
 # %% [markdown]
-# ## Stretch (optional): the scatter-reduce in segments
+# ## Stretch (optional): the reduce-scatter in segments
 #
 # A workshop can stop here. In your ring, a rank receives a whole chunk, *then* adds it, *then*
 # sends it on: the network waits for the addition and the addition waits for the network. NCCL
@@ -359,9 +359,9 @@ except lab06.LabCheckError as err:
 # pipeline them. Write
 # `ring_allreduce_segmented(tensor, op="sum", segments=4)`, with the contract of your
 # `ring_allreduce`, non-blocking `dist.isend`/`dist.irecv` allowed, and this goal: **the
-# scatter-reduce's additions hide behind its transfers.** What must hold:
+# reduce-scatter's additions hide behind its transfers.** What must hold:
 #
-# * in the scatter-reduce, each chunk travels as `segments` pieces (cut as `tensor_split` cuts);
+# * in the reduce-scatter, each chunk travels as `segments` pieces (cut as `tensor_split` cuts);
 # * overlap: whenever a piece of a step is being added into the tensor, the step's next piece
 #   (if there is one) is in flight, its send and its receive both started and not yet waited
 #   on, so that the network works while the rank adds;
@@ -377,7 +377,7 @@ except lab06.LabCheckError as err:
 #
 # **Your design decision:** how far ahead of the addition your ring runs. Every receive in
 # flight holds a buffer of its own; more of them ask more memory of every rank. Decide,
-# **before you write the ring**, how many scatter-reduce receives it will keep in flight at
+# **before you write the ring**, how many reduce-scatter receives it will keep in flight at
 # most with `segments=4` (a receive is in flight from the moment it is posted until its wait
 # returns, so the one you are about to wait on counts too), and be ready to say what a larger
 # or a smaller number would buy or cost. Then write the ring so that it keeps that many. The check measures the count on every
@@ -391,7 +391,7 @@ except lab06.LabCheckError as err:
 # addition with nothing in flight is named by what it did.
 
 # %%
-### BEGIN SOLUTION: your decision: scatter-reduce receives in flight at most (segments=4)
+### BEGIN SOLUTION: your decision: reduce-scatter receives in flight at most (segments=4)
 in_flight = 2
 ### END SOLUTION
 decision = predict("lab06", lab06.IN_FLIGHT_QUESTION, in_flight, unit="receive(s)")
@@ -419,7 +419,7 @@ decision = predict("lab06", lab06.IN_FLIGHT_QUESTION, in_flight, unit="receive(s
 # %% [markdown]
 # <details><summary>▶ Hint 3 — the shape of the code</summary>
 #
-# Per scatter-reduce step: the pieces of the chunk sent, the pieces of the chunk added into, a
+# Per reduce-scatter step: the pieces of the chunk sent, the pieces of the chunk added into, a
 # receive buffer per piece, a helper that starts piece j's send and receive and returns the two
 # works, and a loop over j that starts the later pieces your decision allows, then waits for
 # piece j, then adds it.
@@ -435,7 +435,7 @@ def ring_allreduce_segmented(tensor, op="sum", segments=4):
     right, left = (rank + 1) % n, (rank - 1) % n
     flat = tensor.view(-1)
     chunks = flat.tensor_split(n)
-    ### BEGIN SOLUTION: ring_allreduce_segmented's body: a pipelined scatter-reduce, then the rest
+    ### BEGIN SOLUTION: ring_allreduce_segmented's body: a pipelined reduce-scatter, then the rest
     for t in range(1, n):  # steps numbered as in lesson 06: t = 1 .. 2(N-1)
         outgoing = chunks[(rank + 1 - t) % n].tensor_split(segments)
         target = chunks[(rank - t) % n].tensor_split(segments)

@@ -61,7 +61,7 @@ def test_every_block_runs_and_prints_what_its_comment_says(ran):
     assert ast.literal_eval(collectives.strip()) == [(3.0, [1.0, 2.0])] * 2
     losses = ast.literal_eval(worker.strip())
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
-    assert ring.startswith("step 1 (scatter-reduce): w0->w1: chunk 0")
+    assert ring.startswith("step 1 (reduce-scatter): w0->w1: chunk 0")
 
 
 def test_every_call_named_in_the_text_is_a_real_function(ran):

@@ -483,7 +483,7 @@ def test_an_unsolved_todo_stops_with_not_implemented():
 
 
 def ring_todo(tensor, op="sum"):
-    raise NotImplementedError("TODO: scatter-reduce")
+    raise NotImplementedError("TODO: reduce-scatter")
 
 
 def test_an_unsolved_real_ring_stops_with_not_implemented():
@@ -747,7 +747,7 @@ def test_non_blocking_calls_are_refused_in_part_3(fn, name):
 
 
 @pytest.mark.parametrize("fn, phrase", [
-    (ring_off_by_one, "off-by-one chunk index in the scatter-reduce"),
+    (ring_off_by_one, "off-by-one chunk index in the reduce-scatter"),
     (ring_no_gather, "missing all-gather"),
     (ring_no_average, "summing without averaging"),
     (ring_raises, "raised on rank .*ZeroDivisionError"),
@@ -1412,7 +1412,7 @@ def seg_post_all_wait_all_add_all(tensor, op="sum", segments=4):
 def test_segmented_ring_must_add_a_piece_before_waiting_on_the_next():
     with pytest.raises(LabCheckError) as err:
         lab06.check_segmented_ring(seg_post_all_wait_all_add_all, timeout=60)
-    assert "waited for piece 1 of a scatter-reduce chunk while piece 0 had arrived but was not " \
+    assert "waited for piece 1 of a reduce-scatter chunk while piece 0 had arrived but was not " \
            "yet added" in str(err.value), str(err.value)
     assert "every piece of the step was posted before the first wait" in str(err.value)
 
@@ -1537,7 +1537,7 @@ def test_segmented_ring_declared_in_flight_must_be_what_the_ring_did(capsys):
     ring that posts a whole step's pieces has 4 in flight with segments=4, not 2. The sentence
     gives no direction (no "more"/"fewer" to search by) and never the number."""
     lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=4)
-    assert ("each rank had up to 4 scatter-reduce receive(s) in flight with segments=4, posted "
+    assert ("each rank had up to 4 reduce-scatter receive(s) in flight with segments=4, posted "
             "and not yet waited on, as declared: 4 piece(s) on their way at once"
             in capsys.readouterr().out)
 
@@ -1550,7 +1550,7 @@ def test_a_wrong_in_flight_is_kept_and_the_ring_held_to_it():
         with pytest.raises(LabCheckError) as err:
             lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=decision)
         msg = str(err.value)
-        assert "you declared 2 scatter-reduce receive(s) in flight" in msg, msg
+        assert "you declared 2 reduce-scatter receive(s) in flight" in msg, msg
         assert "different number posted and not yet waited on" in msg, msg
         assert "2 is now kept as your decision" in msg, msg
         # the cause does not say which way the ring is off; the fix (second meeting) says which
@@ -1568,7 +1568,7 @@ def test_a_wrong_in_flight_is_kept_and_the_ring_held_to_it():
 def test_trying_another_in_flight_after_a_measurement_is_refused(capsys):
     """Trial and error: after the check compared 2 with the ring (4 in flight), declaring 3
     and then 4 for the same ring is refused with its own sentence; the first number is kept."""
-    with pytest.raises(LabCheckError, match="you declared 2 scatter-reduce"):
+    with pytest.raises(LabCheckError, match="you declared 2 reduce-scatter"):
         lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=2)
     for attempt, number in ((1, 3), (2, 4)):
         with pytest.raises(LabCheckError) as err:
@@ -1578,7 +1578,7 @@ def test_trying_another_in_flight_after_a_measurement_is_refused(capsys):
         assert f"now you declare {number}" in msg and "a search, not a decision" in msg, msg
         assert ("set in_flight back to 2" in msg) == (attempt == 2), msg
     # re-running with the number first declared is no search: it is measured again
-    with pytest.raises(LabCheckError, match="you declared 2 scatter-reduce"):
+    with pytest.raises(LabCheckError, match="you declared 2 reduce-scatter"):
         lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=2)
 
 
@@ -1588,7 +1588,7 @@ def test_an_impossible_in_flight_is_refused_and_not_kept(number, phrase, capsys)
     with pytest.raises(LabCheckError, match=phrase):
         lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=number)
     lab06.check_segmented_ring(seg_all_posted_first, timeout=60, in_flight=4)
-    assert ("each rank had up to 4 scatter-reduce receive(s) in flight with segments=4, posted "
+    assert ("each rank had up to 4 reduce-scatter receive(s) in flight with segments=4, posted "
             "and not yet waited on, as declared: 4 piece(s) on their way at once"
             in capsys.readouterr().out)
 
@@ -1607,7 +1607,7 @@ def test_every_all_gather_sentence_escalates_on_the_second_meeting():
     """The all-gather's sentences name the cause first and add the fix when the same mistake
     comes back, like every other check (the unchanged arrays, a chunk rule, wrong numbers)."""
     for fn, cause, fix in [
-        (ag_missing, "left every worker's array as the scatter-reduce left it",
+        (ag_missing, "left every worker's array as the reduce-scatter left it",
          "write the chunk that arrives into the receiving worker's own array"),
         (ag_off_by_one, "off-by-one index into owner in all_gather",
          "pass on the chunk it completed most recently"),
@@ -1675,7 +1675,7 @@ def test_a_shared_receive_buffer_is_named_as_such_not_as_a_piece_index():
             lab06.check_segmented_ring(seg_shared_receive_buffer, timeout=60)
         msg = str(err.value)
         assert "one receive buffer shared by messages in flight" in msg, msg
-        assert "piece 1 of scatter-reduce step 1" in msg and "piece 0 of" in msg, msg
+        assert "piece 1 of reduce-scatter step 1" in msg and "piece 0 of" in msg, msg
         assert "segment j of the chunk" not in msg, msg
         assert ("a buffer of its own" in msg) == (attempt == 2), msg
 

@@ -180,7 +180,7 @@ def test_a_check_called_by_another_check_is_recorded_once(log):
 
 def test_todo_and_errors_are_recorded_and_raised_unchanged(log):
     def unfilled(buffers):
-        raise NotImplementedError("TODO: scatter-reduce")
+        raise NotImplementedError("TODO: reduce-scatter")
 
     with pytest.raises(NotImplementedError):
         lab06.check_scatter_reduce(unfilled)

@@ -35,7 +35,7 @@ def test_simulator_leaves_inputs_and_intermediate_states_right():
     arrays = [np.full(6, float(w + 1)) for w in range(3)]
     trace = ring.simulate_ring(arrays)
     assert all((a == w + 1).all() for w, a in enumerate(arrays))
-    after_sr = trace.steps[2]  # end of scatter-reduce: worker i owns chunk i+1 complete
+    after_sr = trace.steps[2]  # end of reduce-scatter: worker i owns chunk i+1 complete
     for w in range(3):
         c = (w + 1) % 3
         assert after_sr.contributions[w, c] == 3

@@ -84,6 +84,10 @@ def usable_cores() -> int:
 
 
 def hardware_report() -> HardwareReport:
+    """This machine's facts. ``gloo``/``nccl`` mean usable here: ``nccl`` needs a GPU too.
+
+    Shown in lesson 00, §"Your machine: the three hardware profiles".
+    """
     cuda = torch.cuda.is_available()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
     dist_ok = torch.distributed.is_available()

@@ -14,7 +14,7 @@ import numpy as np
 
 from dpcourse.tf_quiet import keras, tf
 
-__all__ = ["measure_optimizer_counter", "measure_last_step"]
+__all__ = ["measure_optimizer_counter", "measure_last_step", "measure_pairings"]
 
 
 def measure_optimizer_counter(strategy, lr: float) -> None:
@@ -36,6 +36,48 @@ def measure_optimizer_counter(strategy, lr: float) -> None:
     claim("an SGD constructed outside the scope and built inside keeps an unmirrored step "
           "counter (its constructor made it); optimizer_in's is mirrored",
           kinds == {"outside": "ResourceVariable", "inside": "MirroredVariable"}, kinds=kinds)
+
+
+def measure_pairings(strategy, model, x: np.ndarray, y: np.ndarray, g_single) -> dict:
+    """Claims six of lesson 05's seven pairings of a per-replica loss with a way to combine the
+    replicas' gradients (part of lab 05 part 1's answer): the norm of the gradient each gives
+    for the global batch (``x``, ``y``, split evenly) against ``g_single``, one device's.
+    Prints and returns the ratios, keyed by (loss, combination).
+
+    Shown in lesson 05, §5.
+    """
+    from dpcourse import mirrored
+    from dpcourse.checks import claim
+
+    def norm(grads):
+        return float(np.sqrt(sum(np.sum(g * g) for g in grads)))
+
+    pairs = [("compute_average_loss", "sum"), ("reduce_mean", "sum"),
+             ("compute_average_loss", "mean"), ("reduce_mean", "mean"), ("keras", "sum"),
+             ("keras_over_replicas", "sum")]
+    n = strategy.num_replicas_in_sync
+    print(f"N = {n} replicas; |gradient| on one device: {norm(g_single):.4f}")
+    ratios = {}
+    for loss_kind, reduce_kind in pairs:
+        loss_arg = "global" if loss_kind == "compute_average_loss" else loss_kind
+        grads = mirrored.mirrored_gradients(strategy, model, x, y, loss_arg,
+                                            grad_reduce=reduce_kind)
+        ratios[loss_kind, reduce_kind] = norm(grads) / norm(g_single)
+        print(f"  {loss_kind:21s} + {reduce_kind.upper():4s}: |gradient| = {norm(grads):.4f} "
+              f"= {ratios[loss_kind, reduce_kind]:.3f} x the right one")
+    claim("compute_average_loss + SUM is right (ratio 1, to 1e-4)",
+          abs(ratios["compute_average_loss", "sum"] - 1) < 1e-4, ratios=ratios)
+    claim("reduce_mean + SUM is N times too big (to 1e-4 relative)",
+          abs(ratios["reduce_mean", "sum"] - n) < 1e-4 * n, ratios=ratios)
+    claim("compute_average_loss + MEAN is N× too small (to 1e-4)",
+          abs(ratios["compute_average_loss", "mean"] - 1 / n) < 1e-4, ratios=ratios)
+    claim("reduce_mean + MEAN (DDP's pairing) is right too (to 1e-4)",
+          abs(ratios["reduce_mean", "mean"] - 1) < 1e-4, ratios=ratios)
+    claim("a Keras loss object as is + SUM is right (to 1e-4): Keras scaled it",
+          abs(ratios["keras", "sum"] - 1) < 1e-4, ratios=ratios)
+    claim("a Keras loss object divided by num_replicas_in_sync + SUM is N× too small (to 1e-4)",
+          abs(ratios["keras_over_replicas", "sum"] - 1 / n) < 1e-4, ratios=ratios)
+    return ratios
 
 
 def measure_last_step(strategy, model, x: np.ndarray, y: np.ndarray,

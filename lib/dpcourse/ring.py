@@ -10,7 +10,7 @@ Three parts, from paper to wire:
   ``array_split`` rule (:func:`chunk_bounds`: the first ``L % N`` chunks are one element
   longer). Steps are numbered t = 1 .. 2(N-1) through both phases (t = 0 is the start), as in
   lesson 06 and its figures: at step t worker i sends chunk (i + 1 - t) mod N to worker i+1.
-  In the N-1 *scatter-reduce* steps the receiver adds it into its own copy, after which worker
+  In the N-1 *reduce-scatter* steps the receiver adds it into its own copy, after which worker
   i holds the full sum of chunk (i + 1) mod N; in the N-1 *all-gather* steps it overwrites its
   copy. The returned :class:`RingTrace` records every
   transfer and every worker's buffer after every step, so the lesson can print, draw and
@@ -117,7 +117,7 @@ class RingStep:
     """
 
     index: int  # 0 = the initial state, then 1 .. 2(N-1)
-    phase: str  # "start", "scatter-reduce" or "all-gather"
+    phase: str  # "start", "reduce-scatter" or "all-gather"
     transfers: list[Transfer]
     buffers: list[np.ndarray]
     contributions: np.ndarray
@@ -210,7 +210,7 @@ def simulate_ring(arrays: Sequence[np.ndarray]) -> RingTrace:
             trace.steps.append(RingStep(len(trace.steps), phase, transfers,
                                         [b.copy() for b in buffers], contrib.copy()))
 
-    run_phase("scatter-reduce", 0, reduce=True)
+    run_phase("reduce-scatter", 0, reduce=True)
     run_phase("all-gather", 1, reduce=False)
     return trace
 
@@ -219,7 +219,7 @@ def ring_bytes_per_worker(length: int, n: int, itemsize: int = 4) -> list[int]:
     """Bytes each worker sends in a ring all-reduce of ``length`` elements (exact, uneven
     chunks included). For ``length`` divisible by ``n`` every entry is 2(n-1)length/n*itemsize.
 
-    Worker i sends chunks (i - s) for s = 0..n-2 in the scatter-reduce and chunks (i + 1 - s)
+    Worker i sends chunks (i - s) for s = 0..n-2 in the reduce-scatter and chunks (i + 1 - s)
     in the all-gather: every chunk but (i + 1) once, then every chunk but (i + 2) once.
 
     Shown in lesson 06, §2; lesson 09, §1."""
@@ -298,7 +298,7 @@ def simulate_rabenseifner(arrays: Sequence[np.ndarray], rounds: list | None = No
 class Slot:
     """One interval of :func:`pipeline_schedule`: ``rank`` sends segment ``segment`` of chunk
     ``chunk`` to rank + 1 at ``step`` (``kind="send"``), or adds that segment into its own copy
-    once it has arrived (``kind="add"``, scatter-reduce only), from ``start`` to ``end``."""
+    once it has arrived (``kind="add"``, reduce-scatter only), from ``start`` to ``end``."""
 
     rank: int
     kind: str
@@ -320,7 +320,7 @@ def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
     ``add / segments``; each link (rank -> rank + 1) carries one segment at a time, in the order
     (step, segment); each rank adds one segment at a time, in that order, while its links go on
     sending; and a rank sends segment j of step t + 1 (the chunk it received at step t) once
-    segment j of step t has arrived and, in the scatter-reduce, been added. With ``segments=1``
+    segment j of step t has arrived and, in the reduce-scatter, been added. With ``segments=1``
     that is the unpipelined ring: a step's transfer, then its addition, then the next step.
     No per-message latency (α) is charged, so in this model more segments are never slower; on a
     real link each segment pays α, which is what bounds the segment count.
@@ -339,7 +339,7 @@ def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
     ready = [[0.0] * segments for _ in range(n)]  # ready[i][j]: segment j of i's next send
     slots: list[Slot] = []
     for step in trace.steps[1:]:
-        reduce = step.phase == "scatter-reduce"
+        reduce = step.phase == "reduce-scatter"
         arrived = [[0.0] * segments for _ in range(n)]
         for j in range(segments):
             for tr in step.transfers:
@@ -363,7 +363,7 @@ def pipeline_schedule(n: int, segments: int, transfer: float = 1.0,
 
 
 # Receive buffers per (dtype, device), kept between calls and grown when needed. Measured
-# (2 ranks, 64 MiB, gloo on CPU): a fresh 32 MiB torch.empty per call made the scatter-reduce
+# (2 ranks, 64 MiB, gloo on CPU): a fresh 32 MiB torch.empty per call made the reduce-scatter
 # 185 ms instead of 110 ms — the OS maps new pages on first touch, every call, because the CPU
 # allocator returns big blocks to the OS. Costs two chunks (2K/N) of memory, kept until exit.
 _RECV_BUFFERS: dict = {}
@@ -401,16 +401,16 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     sends facing each other: every send and receive is posted without blocking, and the
     waits come after, in the order the messages travel.
 
-    The 2(N-1) steps t = 1 .. 2(N-1) are those of :func:`simulate_ring` (scatter-reduce, then
+    The 2(N-1) steps t = 1 .. 2(N-1) are those of :func:`simulate_ring` (reduce-scatter, then
     all-gather), and the chunk a rank sends at step t+1 is always the chunk it received at step
     t. So each chunk
     travels as segments of about ``segment_bytes`` — ``ceil(longest chunk's bytes /
     segment_bytes)`` of them, so a chunk of at most ``segment_bytes`` (4 MiB by default) travels
     whole, as one segment, and nothing overlaps — and a segment moves on as soon as it is
-    ready: received, added (scatter-reduce) — and forwarded to the right at once, while the
+    ready: received, added (reduce-scatter) — and forwarded to the right at once, while the
     next segments are still arriving. Adding segment j overlaps with receiving segment j+1, and
     the next step starts before this one has ended (gloo's and NCCL's rings pipeline the same
-    way). Scatter-reduce segments arrive in two chunk-sized receive buffers used in turn, step
+    way). Reduce-scatter segments arrive in two chunk-sized receive buffers used in turn, step
     by step (double buffering: the receives of step t+1 are posted while step t is still being
     added; :func:`receive_buffer` keeps them between calls); all-gather segments arrive
     straight in place. All of a step's segment receives are posted at once, and each is
@@ -456,7 +456,7 @@ def ring_allreduce(tensor, op: str = "sum", group=None, segment_bytes: int = 4 <
     steps = 2 * (n - 1)
     # Steps t = 1 .. 2(N-1), numbered as in lesson 06 and the simulator's trace: at step t this
     # rank sends chunk (rank + 1 - t) and receives chunk (rank - t), mod N, in both phases;
-    # steps 1 .. N-1 add what arrives (scatter-reduce), the others overwrite (all-gather). So
+    # steps 1 .. N-1 add what arrives (reduce-scatter), the others overwrite (all-gather). So
     # the chunk received at step t is the chunk sent at step t + 1.
     def reducing(t: int) -> bool:
         return t <= n - 1

@@ -31,7 +31,7 @@ _EXPLAIN = {
              "back to each worker, one message at a time",
     "parameter-server": "a separate server: all N workers push K bytes at once, then pull the "
                         "K-byte result, all through the server's one link",
-    "ring": "scatter-reduce then all-gather around a ring, 2(N-1) steps of K/N bytes",
+    "ring": "reduce-scatter then all-gather around a ring, 2(N-1) steps of K/N bytes",
     "tree": "binomial-tree reduce then broadcast, ceil(log2 N) rounds each of K bytes",
     "rabenseifner": "reduce-scatter by recursive halving then all-gather by recursive "
                     "doubling, log2 N rounds each, halving then doubling the bytes",

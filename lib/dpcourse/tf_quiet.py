@@ -16,10 +16,21 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["tf", "keras"]
+__all__ = ["tf", "keras", "set_quiet_environment"]
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+def set_quiet_environment() -> None:
+    """Set TensorFlow's two environment defaults, each only if unset: ``TF_CPP_MIN_LOG_LEVEL=2``
+    (no C++ log lines) and ``TF_ENABLE_ONEDNN_OPTS=0`` (no oneDNN custom operations). This
+    module calls it once, when it is imported, before it imports TensorFlow.
+
+    Shown in lesson 05, §1.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+set_quiet_environment()
 
 
 def _preload_triton() -> None:

@@ -10,17 +10,32 @@ sight on GitHub, which ignores a cell's fold flag; here it is printed inside the
 
 from __future__ import annotations
 
+import torch
+
 from dpcourse.checks import claim
 
-__all__ = ["linear_saves_weight", "tp_passes", "torch_sends_what_we_send", "torch_placements",
+__all__ = ["saved_by_linear", "linear_saves_weight", "tp_passes", "tp_messages_weighed",
+           "torch_sends_what_we_send", "torch_placements", "torch_tp_redistributions",
            "sp_collectives", "mesh_traffic"]
 
 
-def linear_saves_weight(as_data, as_leaf) -> None:
-    """Claims what a Linear(48, 48) saves for its backward (the shapes ``as_data`` on data,
-    ``as_leaf`` on an input that requires a gradient).
+def saved_by_linear(x) -> list:
+    """The shapes a Linear(48, 48) saves for its backward, on input ``x``.
 
     Shown in lesson 11, §1."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
+                                                  lambda t: t):
+        torch.nn.Linear(48, 48)(x)
+    return shapes
+
+
+def linear_saves_weight(data) -> None:
+    """Claims what a Linear(48, 48) saves for its backward, on ``data`` (8 × 48 numbers) and on a
+    copy of it that requires a gradient.
+
+    Shown in lesson 11, §1."""
+    as_data, as_leaf = saved_by_linear(data), saved_by_linear(data.clone().requires_grad_())
     claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradient: "
           f"{as_data} for data, {as_leaf} for an input that requires one",
           (48, 48) not in as_data and (48, 48) in as_leaf)
@@ -38,6 +53,24 @@ def tp_passes(tp_runs, cfg) -> None:
           all(r["forward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
               and r["backward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
               for r in tp_runs))
+
+
+def tp_messages_weighed(cfg, gpt3) -> None:
+    """Weighs one tensor-parallel message against data parallelism's per-step bytes, on this
+    run's MLP (``cfg``) and on GPT-3's MLP (``gpt3``: a planner model, one sequence).
+
+    Shown in lesson 11, §2."""
+    dp_bytes = cfg.num_params * 4
+    tp_one = cfg.tokens * cfg.d * 4
+    d_gpt, s_gpt = gpt3.hidden, gpt3.seq_len
+    mlp_params = 8 * d_gpt * d_gpt
+    tp_elems = s_gpt * d_gpt
+    print(f"this MLP: DP all-reduces {dp_bytes} bytes per step; one TP message is over "
+          f"{tp_one} ({tp_one / dp_bytes:.2f}×)")
+    claim(f"GPT-3's MLP (d = {d_gpt}), one sequence of {s_gpt} tokens: one tensor-parallel "
+          f"message is over s·d = {tp_elems / 1e6:.0f} M numbers, data parallelism the "
+          f"{mlp_params / 1e9:.2f} B weights' gradients once per step — "
+          f"{mlp_params / tp_elems:.0f}× one sequence's", mlp_params / tp_elems > 20)
 
 
 def torch_sends_what_we_send(tp_runs, cfg) -> None:
@@ -64,11 +97,12 @@ def torch_placements(r0) -> None:
           [p[4] for p in r0["torch_params"]] == ["S(0)", "S(0)", "S(1)", "R"])
 
 
-def sp_collectives(sp_runs, cfg, share: int, tp_ranks: int) -> None:
+def sp_collectives(sp_runs, cfg, tp_ranks: int) -> None:
     """Claims what sequence parallelism computed, sent and saved on every rank (``sp_runs``),
     against the plain MLP and section 2's all-reduces.
 
     Shown in lesson 11, §2."""
+    share = cfg.tokens // tp_ranks * cfg.d
     claim(f"sequence parallelism on {tp_ranks} ranks == the plain MLP on each rank's tokens: "
           "output, dL/dx and every gradient (to 1e-6)",
           max(max(r["out_diff"], r["input_grad_diff"], r["grad_diff"]) for r in sp_runs) < 1e-6)
@@ -87,11 +121,14 @@ def sp_collectives(sp_runs, cfg, share: int, tp_ranks: int) -> None:
               and (cfg.tokens // tp_ranks, cfg.d) not in r["saved_shapes"] for r in sp_runs))
 
 
-def mesh_traffic(mesh_runs, cfg, local: int) -> None:
-    """Claims one training step's collectives on the 2 × 2 mesh, per mesh dimension, on every
-    rank (``local``: the parameters one tensor-parallel rank holds).
+def mesh_traffic(mesh_runs, cfg) -> None:
+    """Prints and claims one training step's collectives on the 2 × 2 mesh, per mesh dimension,
+    on every rank.
 
     Shown in lesson 11, §4."""
+    local = cfg.num_params // 2 + cfg.d // 2          # what one tp rank of the library's MLP holds
+    for dim, op, numel, nbytes, out_nbytes in mesh_runs[0]["traffic"][-1]:
+        print(f"{dim}: {op:>14}, {numel:5d} elements in, {out_nbytes:5d} bytes out")
     claim(f"per step, along tp: one all-reduce of the activations ({cfg.tokens // 2} tokens × "
           f"{cfg.d}); along dp: one all-gather and one reduce-scatter of the row's {local} "
           "parameters",
@@ -100,3 +137,31 @@ def mesh_traffic(mesh_runs, cfg, local: int) -> None:
                                     cfg.tokens // 2 * cfg.d * 4, cfg.tokens // 2 * cfg.d * 4),
                                    ("dp", "reduce_scatter", local, local * 4, local * 2)]
               for r in mesh_runs))
+
+
+def torch_tp_redistributions() -> None:
+    """Reads, in the installed torch, where *f* and *g* of ColwiseParallel/RowwiseParallel
+    redistribute and whether they ask for ``async_op=True``.
+
+    Shown in lesson 11, §2."""
+    import inspect
+
+    from torch.distributed.tensor import Replicate, _api, _redistribute
+    from torch.distributed.tensor.parallel import style
+
+    col_in = inspect.getsource(style.ColwiseParallel._prepare_input_fn)
+    row_out = inspect.getsource(style.RowwiseParallel._prepare_output_fn)
+    f_back = inspect.getsource(_api._FromTorchTensor.backward)
+    params = inspect.signature(_redistribute.redistribute_local_tensor).parameters
+    guard = col_in.index("if input_layouts != desired_input_layouts:")
+    plain = style.ColwiseParallel()
+    claim("ColwiseParallel redistributes its input (async_op=True) only if input_layouts != "
+          "desired_input_layouts, and both are Replicate() in the plain layout",
+          col_in.find("async_op=True", guard) > guard and "async_op=True" not in col_in[:guard]
+          and plain.input_layouts == plain.desired_input_layouts == (Replicate(),))
+    claim("RowwiseParallel's output hook (g's forward) redistributes with async_op=True",
+          "outputs.redistribute(placements=output_layouts, async_op=True)" in row_out)
+    claim("f's backward, _FromTorchTensor.backward, calls redistribute_local_tensor without "
+          "async_op, whose default is False: a synchronous all-reduce",
+          "redistribute_local_tensor(" in f_back and "async_op" not in f_back
+          and params["async_op"].default is False)

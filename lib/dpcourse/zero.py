@@ -89,7 +89,7 @@ def flatten_padded(tensors, world_size: int) -> torch.Tensor:
     cuts into N equal shards (collectives want equal pieces on every rank). One new buffer:
     the tensors are concatenated straight into it, so no unpadded copy exists beside it.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
     tensors = list(tensors)
     numel = sum(t.numel() for t in tensors)
@@ -111,7 +111,7 @@ def copy_flat_into(flat: torch.Tensor, tensors) -> None:
     """Copy consecutive pieces of ``flat`` into ``tensors`` (casting, e.g. fp32 -> bf16); the
     padding at the end of ``flat`` is ignored.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
     offset = 0
     with torch.no_grad():
@@ -129,7 +129,7 @@ def reduce_scatter_mean(flat: torch.Tensor) -> torch.Tensor:
     option); we sum and divide,
     as lesson 03 did, so that the mean's division by N is a line you can see.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
     n = dist.get_world_size()
     shard = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
@@ -142,7 +142,7 @@ def reduce_scatter_mean(flat: torch.Tensor) -> torch.Tensor:
 def all_gather_flat(shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Every rank's ``shard``, concatenated in rank order (into ``out`` if given).
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
     if out is None:
         out = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype,

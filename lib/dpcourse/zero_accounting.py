@@ -54,7 +54,7 @@ def shard_numel(numel: int, world_size: int) -> int:
     """Elements per rank when ``numel`` is cut in ``world_size`` equal pieces: we pad the flat
     buffer with zeros up to a multiple of N, so the last pieces may hold some padding.
 
-    Shown in lesson 08, §3.
+    Shown in lesson 08, §2.
     """
     return -(-numel // world_size)
 
@@ -174,7 +174,7 @@ def summarize_traffic(calls, world_size: int) -> dict:
     bytes a rank sends on a ring ((N-1)/N of the volume). Barriers carry no bytes and are left
     out; any other kind of call has no ring weight here and is refused.
 
-    Shown in lesson 08, §5.
+    Shown in lesson 08, §4 (folded) and §5.
     """
     by_op: dict[str, int] = {}
     counted = [c for c in calls if c.op != "barrier"]
@@ -209,7 +209,7 @@ def traffic_per_step(stage: str, units, world_size: int, element_size: int = 4, 
     4): the all-reduce and the reduce-scatters weigh ``grad_bytes`` per element, the
     all-gathers and broadcasts ``element_size`` — and the ratios above change.
 
-    Shown in lesson 08, §5.
+    Shown in lesson 08, §4 (folded) and §5.
     """
     _check(stage, world_size, STAGES + ("zero_redundancy",))
     units = [units] if isinstance(units, int) else list(units)

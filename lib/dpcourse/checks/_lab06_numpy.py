@@ -1,7 +1,7 @@
 """Lab 06, parts 1 and 2: the ring's two phases in NumPy, and the paper question before them.
 
 The layout is a parameter the lesson never shows: ``owner[i]`` is the chunk worker i must end
-the scatter-reduce holding complete (any permutation of the chunks, as a sharded optimizer
+the reduce-scatter holding complete (any permutation of the chunks, as a sharded optimizer
 might ask for; ``None`` means ``owner[i] = i``). Lesson 06's formula, (i + 1 - t) mod N, is
 one layout among them, and no shifted copy of it is right for a layout that is not a rotation:
 the learner must follow a chunk to the worker it ends on. At step t worker i sends chunk
@@ -17,7 +17,7 @@ mod N, right only for rotations), owner read the other way round (as the worker 
 index off by one, a wrong number of steps, a chunk rule other than ``ring.chunk_bounds``, an
 all-gather that adds or writes nowhere. A shifted index into owner (owner[(i + 1 - t) mod N]) is
 lesson 06's formula on the identity layout, so it is judged on the paper's layout first
-(:func:`_off_by_one_owner`). A scatter-reduce whose owner chunks are right but whose other chunks
+(:func:`_off_by_one_owner`). A reduce-scatter whose owner chunks are right but whose other chunks
 are not the partial sums a ring leaves (np.sum into each owner's chunk) is named as no ring
 (:func:`_refuse_shortcut_sums`). An all-gather's result says nothing of how it got there, so a
 right one runs again on tracked arrays (:func:`_refuse_not_a_ring`; the tracking is
@@ -149,7 +149,7 @@ def _all_gather(buffers, send_shift=0, recv_shift=0, steps=None, add=False,
 
 
 def reference_scatter_reduce(buffers, owner=None):
-    """Scatter-reduce in place: afterwards worker i holds the full sum of chunk owner[i]."""
+    """Reduce-scatter in place: afterwards worker i holds the full sum of chunk owner[i]."""
     return _scatter_reduce(buffers, owner=owner)
 
 
@@ -357,7 +357,7 @@ def _off_by_one_sentence(what: str, n: int, owner, ds: int, dr: int) -> str:
     if what != "scatter_reduce":
         return (f"off-by-one index into owner in {what} ({_case(n, owner)}): your result is "
                 f"what the ring gives when worker i passes on chunk {sent} at step t (t = N, "
-                f"..., 2N - 2, numbered on from the scatter-reduce): that is not the chunk it "
+                f"..., 2N - 2, numbered on from the reduce-scatter): that is not the chunk it "
                 f"completed most recently, so what it passes on is a partial sum, or a chunk "
                 f"its neighbour already has.")
     sign = "+" if ds > 0 else "-"
@@ -433,7 +433,7 @@ PAPER_N, PAPER_OWNER = 4, (2, 0, 3, 1)
 @recorded
 def check_worker0_sends(sends) -> None:
     """Before part 1's code, on paper: for N = 4 and owner = [2, 0, 3, 1] (worker i ends the
-    scatter-reduce with the full sum of chunk owner[i]), the chunks worker 0 sends at steps 1,
+    reduce-scatter with the full sum of chunk owner[i]), the chunks worker 0 sends at steps 1,
     2 and 3, as a list of three chunk indices. The only answer is [1, 3, 0]: the chunk worker 0
     sends at step t is added by worker 1 and passed on 3 - t more times, so it ends on worker
     (-t) mod 4 — workers 3, 2 and 1, whose chunks owner says are 1, 3 and 0. A wrong answer is
@@ -537,7 +537,7 @@ def check_scatter_reduce(fn) -> None:
 
 @recorded
 def check_all_gather(fn) -> None:
-    """``fn(buffers, owner=None)``: run on the state the reference scatter-reduce leaves for the
+    """``fn(buffers, owner=None)``: run on the state the reference reduce-scatter leaves for the
     same ``owner``; afterwards every worker must hold the whole sum."""
     __tracebackhide__ = True
     for n, length, owner in _CASES:
@@ -549,7 +549,7 @@ def check_all_gather(fn) -> None:
             _refuse_not_a_ring(fn, reduced, owner, total, "all_gather")
             continue
         if _same(got, reduced):
-            fail(f"all_gather left every worker's array as the scatter-reduce left it "
+            fail(f"all_gather left every worker's array as the reduce-scatter left it "
                  f"({_case(n, owner)}): nothing a worker received was written into its own "
                  f"array (a copy or a rebound name does not change it), so each still holds "
                  f"only one finished chunk.",

@@ -188,7 +188,7 @@ def _check_ring_once(fn, world_size: int, timeout: float, dry_sizes=()) -> dict:
                 if t["messages"] != 2 * (n - 1):
                     fail(f"rank {rank} sent {t['messages']} messages for a tensor of {k} "
                          f"elements on {n} ranks; a ring sends exactly 2(N-1) = {2 * (n - 1)}: "
-                         f"N-1 steps of scatter-reduce, then N-1 of all-gather.",
+                         f"N-1 steps of reduce-scatter, then N-1 of all-gather.",
                          fix="send one chunk per step, and run each phase N-1 steps.")
                 if t["elements"] > 2 * (n - 1) * -(-k // n):
                     fail(f"rank {rank} sent {t['elements']} elements for a tensor of {k} on {n} "
@@ -242,14 +242,14 @@ def _check_ring_once(fn, world_size: int, timeout: float, dry_sizes=()) -> dict:
                          "back, so each rank keeps only its one finished chunk.",
                          fix="receive the all-gather's chunks into the tensor's own chunk "
                              "views (or copy them there).")
-                fail("missing all-gather: the tensors hold what the scatter-reduce leaves, each "
+                fail("missing all-gather: the tensors hold what the reduce-scatter leaves, each "
                      "rank only its one finished chunk.",
                      fix="add N-1 steps that pass the finished chunks around the ring.")
     for sr in shifts:
         for ag in shifts:
             if (sr, ag) != ((0, 0), (0, 0)) and _matches(
                     results, _simulate_real(world_size, cases, sr, ag)):
-                phase = "scatter-reduce" if sr != (0, 0) else "all-gather"
+                phase = "reduce-scatter" if sr != (0, 0) else "all-gather"
                 fail(f"off-by-one chunk index in the {phase}: the results are those of a ring "
                      f"whose {phase} sends or receives the chunk next to the right one.",
                      fix="in every step the chunk a rank receives into must be the one its "
@@ -299,7 +299,7 @@ def measure_bytes_sent(fn, world_size: int = 4, numel: int = 10,
 
 
 def _skipped(chunks, n: int):
-    """The chunk a rank did not send in each phase, (scatter-reduce, all-gather), from the
+    """The chunk a rank did not send in each phase, (reduce-scatter, all-gather), from the
     chunks it sent in order (N - 1 per phase, none twice in a phase); None if not that shape."""
     if chunks is None or len(chunks) != 2 * (n - 1):
         return None
@@ -314,7 +314,7 @@ def check_prediction(guess, measured, world_size: int = 4, numel: int = 10) -> N
     float32: chunks of 3, 3, 2, 2 elements) with :func:`measure_bytes_sent`'s per-rank bytes, and
     say why the number is what it is (never raises for a wrong prediction).
 
-    A rank sends every chunk but one in each phase: not, in the scatter-reduce, the chunk it
+    A rank sends every chunk but one in each phase: not, in the reduce-scatter, the chunk it
     finishes (its last contribution arrives; there is nothing to pass on), and not, in the
     all-gather, the chunk it receives last (its right neighbour finished it). Which two those
     are depends on the layout, so the feedback reads the chunks each of the learner's ranks
@@ -332,7 +332,7 @@ def check_prediction(guess, measured, world_size: int = 4, numel: int = 10) -> N
     close = abs(float(guess.value) - worst) < 0.5
     ring_total = sum(measured) == round(average * n)
     explanation = (
-        f"A rank sends every chunk but one in each phase: in the scatter-reduce not the chunk it "
+        f"A rank sends every chunk but one in each phase: in the reduce-scatter not the chunk it "
         f"finishes (nothing is left to pass on), in the all-gather not the one it receives last "
         f"(its right neighbour finished it). So it sends 2K minus those two chunks, and which "
         f"two they are is set by the layout: with chunks of "

@@ -1,4 +1,4 @@
-"""Lab 06's stretch: a ring whose scatter-reduce sends each chunk in segments, pipelined.
+"""Lab 06's stretch: a ring whose reduce-scatter sends each chunk in segments, pipelined.
 
 :func:`check_segmented_ring` runs it on 3 and 2 ranks with two segment counts (both counts in one
 launch per number of ranks, :func:`._lab06_spawn._run_real_cases` taking each case's keyword
@@ -19,17 +19,17 @@ from dpcourse.checks import Prediction, check_timeout, fail, keep, kept_predicti
 from dpcourse.checks._lab06_ring import WORLD_SIZES, _simulate_real
 from dpcourse.checks._lab06_spawn import _first_shared_buffer, _launch_ring, _refuse_reference
 
-# --- stretch: the scatter-reduce in segments -------------------------------------------------
+# --- stretch: the reduce-scatter in segments -------------------------------------------------
 
 _SEGMENT_CASES = [((48,), "float64", "sum"), ((50,), "float64", "sum"),
                   ((4, 13), "float32", "average")]
 
 
 def _first_unpipelined(events, n: int, segments: int):
-    """The index of the first scatter-reduce receive that was waited on before the next piece's
+    """The index of the first reduce-scatter receive that was waited on before the next piece's
     send and receive were both posted (None if every piece but a step's last had its successor
     in flight). Receives and sends are numbered in the order they were posted; the first
-    (N-1)·S receives are the scatter-reduce's pieces. A receive never waited on (polled, or
+    (N-1)·S receives are the reduce-scatter's pieces. A receive never waited on (polled, or
     through its future) is not judged."""
     posted = {"send": 0, "recv": 0}
     for kind, op, index, _ in events:
@@ -54,7 +54,7 @@ def _posted_before_wait(events, index: int) -> tuple[int, int]:
 
 
 def _first_added_late(events, n: int, segments: int):
-    """The index of the first scatter-reduce piece j that was not yet added into the tensor when
+    """The index of the first reduce-scatter piece j that was not yet added into the tensor when
     piece j + 1 (of the same step) was waited on: the tensor held the same values when the two
     receives were waited on (None if every such piece was added in between). Receives never
     waited on are not judged."""
@@ -67,7 +67,7 @@ def _first_added_late(events, n: int, segments: int):
 
 
 def _most_in_flight(events, n: int, segments: int) -> int:
-    """The most scatter-reduce receives posted and not yet waited on at one moment: how many
+    """The most reduce-scatter receives posted and not yet waited on at one moment: how many
     receive buffers the ring needed at once (the stretch's design decision)."""
     open_now = most = 0
     for kind, op, index, _ in events:
@@ -79,7 +79,7 @@ def _most_in_flight(events, n: int, segments: int) -> int:
 
 def _receive_name(index: int, n: int, segments: int) -> str:
     if index < (n - 1) * segments:
-        return f"piece {index % segments} of scatter-reduce step {index // segments + 1}"
+        return f"piece {index % segments} of reduce-scatter step {index // segments + 1}"
     return f"receive {index + 1} (an all-gather one)"
 
 
@@ -100,7 +100,7 @@ _SHARED_BUFFER_FIX = ("give every receive that is in flight at the same time a b
                       "only after the receive that used it was waited on and added).")
 
 
-IN_FLIGHT_QUESTION = "scatter-reduce receives in flight at most, segments=4"
+IN_FLIGHT_QUESTION = "reduce-scatter receives in flight at most, segments=4"
 
 
 def _declared_in_flight(in_flight, segments: int):
@@ -116,13 +116,13 @@ def _declared_in_flight(in_flight, segments: int):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         fail(f"in_flight must be a whole number of receives, got {value!r}.")
     if value < 2:
-        fail(f"you declared {value} scatter-reduce receive(s) in flight: the contract asks that "
+        fail(f"you declared {value} reduce-scatter receive(s) in flight: the contract asks that "
              f"a step's next piece be in flight (its receive posted, not yet waited on) while "
              f"the current piece is added, and the current piece's own receive is in flight "
              f"until you wait for it, so just before that wait two receives are in flight. No ring "
              f"that keeps the contract has fewer; this number was not kept as your decision.")
     if value > segments:
-        fail(f"you declared {value} scatter-reduce receives in flight with segments={segments}: "
+        fail(f"you declared {value} reduce-scatter receives in flight with segments={segments}: "
              f"a step has only {segments} pieces, and the next step's pieces are the sums this "
              f"step is still adding, so they cannot be on their way yet. This number was not "
              f"kept as your decision.")
@@ -143,15 +143,15 @@ def _declared_in_flight(in_flight, segments: int):
 def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                          world_sizes=WORLD_SIZES, in_flight=None) -> None:
     """Stretch: ``fn(tensor, op, segments=S)`` must give the sum / average in place, sending
-    each scatter-reduce chunk as S segments: at least (N-1)·S messages of at most
+    each reduce-scatter chunk as S segments: at least (N-1)·S messages of at most
     ceil(ceil(K/N)/S) elements per rank, and no built-in collective. (The all-gather may send
-    whole chunks or segments.) In the scatter-reduce, piece j + 1 must be posted before piece j
+    whole chunks or segments.) In the reduce-scatter, piece j + 1 must be posted before piece j
     is waited on, and piece j added into the tensor before piece j + 1 is waited on (the
     tensor's contents at the two waits differ): post-all, wait-all, add-all is refused.
 
     ``in_flight``: the learner's design decision, declared before the ring is written (the
     :class:`~dpcourse.checks.Prediction` that ``predict(..., IN_FLIGHT_QUESTION, n)`` returned,
-    or a plain number) — the most scatter-reduce receives their ring keeps posted and not yet
+    or a plain number) — the most reduce-scatter receives their ring keeps posted and not yet
     waited on at once with ``segments`` pieces per chunk. It must be what the ring did
     (measured on every rank). The first number compared with a measurement is kept as the
     decision for this kernel: a different number afterwards is refused with its own sentence
@@ -195,7 +195,7 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                     if small < (n - 1) * S:
                         fail(f"rank {r} sent {small} message(s) of at most {piece} elements for "
                              f"a tensor of {k} on {n} ranks with segments={S}; the segmented "
-                             f"scatter-reduce sends each chunk (about {chunk}) as {S} pieces, "
+                             f"reduce-scatter sends each chunk (about {chunk}) as {S} pieces, "
                              f"(N-1)·S = {(n - 1) * S} in all.",
                              fix="split the chunk with tensor_split(segments) and send the "
                                  "pieces one by one.")
@@ -206,7 +206,7 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                         missing = " and ".join(
                             w for w, done in (("send", sent > late + 1),
                                               ("receive", got > late + 1)) if not done)
-                        fail(f"rank {r} waited for piece {j} of a scatter-reduce chunk before it "
+                        fail(f"rank {r} waited for piece {j} of a reduce-scatter chunk before it "
                              f"had posted piece {j + 1}'s {missing} (N={n}, segments={S}): "
                              f"piece {j + 1} was not on its way while piece {j} was waited for "
                              f"and added, so that addition overlapped no transfer.",
@@ -226,7 +226,7 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                                    f"you waited for piece {j}), but piece {j} was added only "
                                    f"after piece {j + 1}'s wait, so that addition overlapped no "
                                    f"transfer")
-                        fail(f"rank {r} waited for piece {j + 1} of a scatter-reduce chunk while "
+                        fail(f"rank {r} waited for piece {j + 1} of a reduce-scatter chunk while "
                              f"piece {j} had arrived but was not yet added into the tensor (N={n},"
                              f" segments={S}): {how}.",
                              fix="add piece j into the tensor before you wait for piece j + 1.")
@@ -235,14 +235,14 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                     allowed = {(n - 1) * (S + 1), 2 * (n - 1) * S}
                     if t["messages"] not in allowed:
                         fail(f"rank {r} sent {t['messages']} messages on {n} ranks with "
-                             f"segments={S}; a ring sends (N-1)·S pieces in the scatter-reduce "
+                             f"segments={S}; a ring sends (N-1)·S pieces in the reduce-scatter "
                              f"and N-1 chunks (or (N-1)·S pieces) in the all-gather: "
                              f"{' or '.join(map(str, sorted(allowed)))} in all. Does a phase "
                              f"run more or fewer than N-1 steps?")
     if declared is not None:
         keep(declared, most, close=int(declared.value) == int(most))
         if int(declared.value) != most:
-            fail(f"you declared {int(declared.value)} scatter-reduce receive(s) in flight at "
+            fail(f"you declared {int(declared.value)} reduce-scatter receive(s) in flight at "
                  f"once with segments={segments}, but at its busiest moment your ring had a "
                  f"different number posted and not yet waited on (the most on any rank, "
                  f"measured): your code and your design decision disagree, and each receive in "
@@ -250,7 +250,7 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                  f"decision: the check holds your ring to it (the count is yours to work out "
                  f"from your code, and the check does not say it).",
                  fix=f"your ring kept {'more' if most > int(declared.value) else 'fewer'} "
-                     f"than {int(declared.value)}. Read your scatter-reduce step with "
+                     f"than {int(declared.value)}. Read your reduce-scatter step with "
                      f"segments={segments}: just before each wait() on a receive, count the "
                      f"irecv your code has started and not yet waited on, the one about to be "
                      f"waited on included. The largest of those counts is what the check "
@@ -258,11 +258,11 @@ def check_segmented_ring(fn, segments: int = 4, timeout: float | None = None,
                      f"receives until it is {int(declared.value)}, the number you decided on.")
     # The count in flight is the learner's to work out: said only once they declared it.
     counted = (f"at its busiest moment (just before a wait) each rank had up to {most} "
-               f"scatter-reduce receive(s) in flight with segments={segments}, posted and not "
+               f"reduce-scatter receive(s) in flight with segments={segments}, posted and not "
                f"yet waited on, as declared: {most} piece(s) on their way at once, each writing "
                f"into a buffer of its own" if declared is not None
                else "declare in_flight to have your count of receives in flight compared")
     passed(f"segmented ring: right sums and averages on {' and '.join(map(str, world_sizes))} "
-           f"ranks, each scatter-reduce chunk sent in {segments} (and {segments - 1}) segments, "
+           f"ranks, each reduce-scatter chunk sent in {segments} (and {segments - 1}) segments, "
            f"piece j + 1 posted before piece j was waited on, and piece j added before piece "
            f"j + 1 was waited on; {counted}")

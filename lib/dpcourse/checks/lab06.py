@@ -31,7 +31,7 @@
   gap: 2 per step is the floor, and where two neighbours make the same first call (on odd N an
   alternating rule always has such a seam) a delay is paid once, spread over 2(N-1) steps
   (even/odd: 4N in all on odd N, so 3, 2.5 and 2.33 per step);
-* :func:`check_segmented_ring` (the stretch) does the same for a ring whose scatter-reduce sends
+* :func:`check_segmented_ring` (the stretch) does the same for a ring whose reduce-scatter sends
   each chunk in segments.
 
 Wrong answers are recognised by simulating each plausible mistake and matching the learner's

@@ -56,6 +56,7 @@ QUESTIONS = [
      "answer": 2,
      "why": ["Buffers get no gradient, so the all-reduce never touches them.",
              "The broadcast comes from rank 0, in every case this lesson shows.",
-             "Right: forward_sync_buffers broadcasts from rank 0; rank 0's are never "
-             "overwritten. SyncBatchNorm (lesson 04) gives whole-batch statistics."]},
+             "Right: forward_sync_buffers broadcasts from rank 0, so rank 0's are never "
+             "overwritten (outside lesson 04's Join, where the source is the highest-numbered "
+             "rank not yet joined). SyncBatchNorm (lesson 04) gives whole-batch statistics."]},
 ]

@@ -6,7 +6,7 @@ QUESTIONS = [
      "options": ["K", "2(N−1)K/N", "2(N−1)K"],
      "answer": 1,
      "why": ["Exact only at N = 2; as N grows the count approaches 2K: N−1 chunks of K/N, twice.",
-             "Right: N−1 chunks in the scatter-reduce and N−1 in the all-gather, each K/N.",
+             "Right: N−1 chunks in the reduce-scatter and N−1 in the all-gather, each K/N.",
              "That is what device 0 moves in DataParallel (lesson 02), not a ring worker."]},
     {"q": "Going from 8 to 1024 workers, with every link of the ring at the same speed, what "
           "happens to the ring's bandwidth term?",

@@ -16,7 +16,8 @@ QUESTIONS = [
              "85.9 GB once ZeRO-3's working set is added.",
              "It shards them too: ZeRO-3 shards all 16 bytes."]},
     {"q": "A tensor-parallel MLP's micro-batch doubles from 1 to 2 sequences. What happens to "
-          "the bytes its all-reduces carry, and to the bytes DDP all-reduces for the same MLP?",
+          "the bytes its tensor-parallel collectives carry, and to the bytes DDP all-reduces for "
+          "the same MLP?",
      "options": ["Both double",
                  "Tensor parallelism's double; DDP's stay the same",
                  "DDP's double; tensor parallelism's stay the same"],
@@ -44,7 +45,7 @@ QUESTIONS = [
     {"q": "Why does Megatron-LM keep tensor parallelism inside a node?",
      "options": ["It needs more memory per GPU than pipeline parallelism, and only GPUs in one "
                  "node can pool their memory",
-                 "Its all-reduces come in every layer, mostly on the critical path, so they "
+                 "Its collectives come in every layer, mostly on the critical path, so they "
                  "need the node's fast links (NVLink)",
                  "A DTensor's device mesh cannot span nodes: its ranks must be the GPUs of "
                  "one host"],

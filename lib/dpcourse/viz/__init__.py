@@ -10,11 +10,11 @@ never needs to know which file a figure lives in:
   (followed by a static version for readers without a live kernel), :func:`explorer` (sliders
   that redraw a figure) and :func:`quiz` (the check-yourself questions).
 * ``lNN_<lesson name>`` — lesson NN's figures, named after its source ``lessons/NN_<name>.py``,
-  in the order the lesson shows them: :mod:`.l02_data_parallel`,
+  in the order the lesson shows them: :mod:`.l00_start_here`, :mod:`.l02_data_parallel`,
   :mod:`.l03_ddp_first_principles`, :mod:`.l04_ddp_in_practice`, :mod:`.l05_mirrored_strategy`,
   :mod:`.l06_ring_allreduce`, :mod:`.l07_inside_ddp`, :mod:`.l08_sharded_data_parallel`,
-  :mod:`.l09_beyond_lockstep`, :mod:`.l10_bug_zoo`, :mod:`.l11_beyond_data_parallel`. Lessons
-  00 and 01 have none of their own.
+  :mod:`.l09_beyond_lockstep`, :mod:`.l10_bug_zoo`, :mod:`.l11_beyond_data_parallel`. Lesson
+  01 has none of its own.
 
 A new lesson's figures go in a module of their own, ``lNN_<lesson name>.py``: a docstring
 naming the lesson, ``__all__`` listing its public figures, helpers from ``.common`` (and
@@ -28,13 +28,14 @@ root has the rest of the library's design): figures are matplotlib ``Figure`` ob
 PNG through :func:`show`, and no widget writes into an ipywidgets ``Output``.
 """
 
-from . import (common, interactive, l02_data_parallel, l03_ddp_first_principles,
+from . import (common, interactive, l00_start_here, l02_data_parallel, l03_ddp_first_principles,
                l04_ddp_in_practice, l05_mirrored_strategy, l06_ring_allreduce, l07_inside_ddp,
                l08_sharded_data_parallel, l09_beyond_lockstep, l10_bug_zoo,
                l11_beyond_data_parallel)
 from .common import (figure_to_png, folded_code_bundle, folded_output, new_figure, show,
                      show_code)
 from .interactive import explorer, quiz, widget_with_fallback
+from .l00_start_here import spawn_figure
 from .l02_data_parallel import (dp_step_figure, dp_timeline_figure, record_dp_step,
                                 traffic_both_ways_figure)
 from .l03_ddp_first_principles import (bucket_timelines_figure, collectives_figure,
@@ -58,7 +59,7 @@ from .l11_beyond_data_parallel import (bubble_figure, memory_wall_figure, mesh_2
                                        noise_scale_figure, pipeline_gantt_figure, planner_figure,
                                        tp_shards_figure)
 
-_MODULES = (common, interactive, l02_data_parallel, l03_ddp_first_principles,
+_MODULES = (common, interactive, l00_start_here, l02_data_parallel, l03_ddp_first_principles,
             l04_ddp_in_practice, l05_mirrored_strategy, l06_ring_allreduce, l07_inside_ddp,
             l08_sharded_data_parallel, l09_beyond_lockstep, l10_bug_zoo, l11_beyond_data_parallel)
 

@@ -18,7 +18,7 @@ __all__ = ["draw_ring_step", "ring_steps_figure", "ring_frames", "ring_stepper",
            "fit_figure", "cost_vs_n_figure", "pipeline_figure", "rabenseifner_figure"]
 
 
-_PHASE_COLOURS = {"start": "#555555", "scatter-reduce": "#1f77b4", "all-gather": "#2ca02c"}
+_PHASE_COLOURS = {"start": "#555555", "reduce-scatter": "#1f77b4", "all-gather": "#2ca02c"}
 
 
 def _worker_xy(n: int, radius: float = 1.0) -> np.ndarray:
@@ -116,7 +116,7 @@ def ring_frames(trace, dpi: int = 70) -> list[bytes]:
 
 
 def ring_stepper(trace, static: bool = True,
-                 caption: str = "every state of the ring: after N−1 scatter-reduce steps each "
+                 caption: str = "every state of the ring: after N−1 reduce-scatter steps each "
                                 "worker owns one complete chunk; N−1 all-gather steps later "
                                 "every worker holds every complete chunk."):
     """Show an interactive stepper (play button, slider, "next" button) over the ring's steps,
@@ -210,9 +210,10 @@ def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float
     ``n_fixed``), for each algorithm under the alpha-beta model (all five of
     ``ring.COST_MODELS`` unless ``algorithms`` names fewer). Both time axes are logarithmic, so
     a millisecond curve stays readable beside one of a second; Rabenseifner's is dashed, as it
-    lies on the ring's wherever N is a power of two. Every integer N in ``ns`` is drawn (by
-    default 2 … 64): Rabenseifner's cost is a step function of N, flat between powers of two
-    and dipping at each, which a sparser sample joined by lines would turn into a sawtooth."""
+    lies on the ring's wherever N is a power of two. Left, a cost exists only at whole N: each
+    N in ``ns`` (by default 2 … 64) is a dot held flat from N − ½ to N + ½, not a line slanting
+    to the next N, so Rabenseifner's jump of 2(α + Kβ) just after each power of two shows as a
+    jump, not as a dip toward the ring between integers."""
     from dpcourse.ring import COST_MODELS, cost
 
     algorithms = algorithms or COST_MODELS
@@ -224,10 +225,11 @@ def cost_figure(alpha: float, beta: float, n_fixed: int = 8, nbytes_fixed: float
     for alg in algorithms:
         label = labels.get(alg, alg)
         style = "--" if alg == "rabenseifner" else "-"
-        ax1.semilogy(ns, [cost(alg, n, nbytes_fixed, alpha, beta).seconds for n in ns], style,
-                     label=label)
+        ax1.step(ns, [cost(alg, n, nbytes_fixed, alpha, beta).seconds for n in ns], style,
+                 where="mid", marker=".", markersize=3, label=label)
         ax2.loglog(sizes, [cost(alg, n_fixed, k, alpha, beta).seconds for k in sizes], style,
                    label=label)
+    ax1.set_yscale("log")
     ax1.set_xlabel("workers N")
     ax1.set_ylabel("seconds per all-reduce")
     ax1.set_title(f"K = {nbytes_fixed / 1e6:g} MB", fontsize=10)
@@ -271,7 +273,9 @@ def cost_vs_n_figure(alpha: float, beta: float, nbytes: float, n_max: int = 64):
     each N is shaded with the colour of the cheapest algorithm there, and the title says at
     which N each one is the cheapest (``ring.cheapest_by_n``: the same comparison as the
     lesson's sentences). Its α and β are written as lesson 06 prints the fit (α in µs to 0.1,
-    1/β in GB/s to 0.01), so the figure can be read against that line."""
+    1/β in GB/s to 0.01), so the figure can be read against that line. Each N's cost is a dot
+    held flat over its shaded band (N ± ½), not a line slanting to the next N: costs exist only
+    at whole N, and Rabenseifner's jumps just after each power of two."""
     from dpcourse.ring import COST_MODELS, cheapest_by_n, cost, spans
 
     ns = list(range(2, max(int(n_max), 3) + 1))
@@ -281,7 +285,8 @@ def cost_vs_n_figure(alpha: float, beta: float, nbytes: float, n_max: int = 64):
     labels = {"tree": "binomial tree (unpipelined)"}
     colours = {}
     for alg in COST_MODELS:
-        (line,) = ax.plot(ns, times[alg], label=labels.get(alg, alg))
+        (line,) = ax.step(ns, times[alg], where="mid", marker=".", markersize=3,
+                          label=labels.get(alg, alg))
         colours[alg] = line.get_color()
     where = cheapest_by_n(nbytes, alpha, beta, n_max=ns[-1])
     for alg, at in where.items():

@@ -43,24 +43,31 @@ def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 1
                    dict(left=0.15, right=0.97, bottom=0.14, top=0.95))
 
 
-def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
+def straggler_gantt_figure(spans: dict, applied: dict, budget: float, zoom: float = 0.02):
     """One panel per mode (``spans[mode][worker] = [("compute" | "sleep" | "wait", start, end),
     ...]``, seconds from the mode's start): a row per worker, computing in colour (the slow
     worker in red), its injected sleep in pink, waiting in grey.
     ``applied[mode]``: the gradients the server applied, written in the panel's title.
     A computation narrower than 1.5 pixels and followed by a longer span (a fast worker's 0.7 ms
     before a long wait: 0.3 px) is drawn 1.5 px wide, on top, or antialiasing would erase it;
-    a run of short spans is left as drawn, a blend of its colours.
+    a run of short spans is left as drawn, a blend of its colours. So a last panel (when
+    ``zoom`` is not 0) shows ``zoom`` seconds of the last mode from the middle of the budget
+    (boxed in its panel), where the short spans are many pixels wide: computing and waiting at
+    their true widths.
 
     Shown in lesson 09, §1."""
     modes = list(spans)
-    fig = new_figure(8.5, 1.2 + 1.1 * len(modes) * max(len(v) for v in spans.values()) / 2)
+    panels = modes + [modes[-1]] * bool(zoom)   # the zoomed panel repeats the last mode
+    fig = new_figure(8.5, 1.2 + 1.1 * len(panels) * max(len(v) for v in spans.values()) / 2)
     colours = {"compute": "#1f77b4", "sleep": "#f7c6c7", "wait": "#d9d9d9"}
     left, right = 0.16, 0.98
-    shown = budget * 1.15   # the seconds every panel's x axis spans
-    tick = 1.5 * shown / (fig.get_figwidth() * fig.dpi * (right - left))  # 1.5 px in s
-    for i, mode in enumerate(modes):
-        ax = fig.add_subplot(len(modes), 1, i + 1)
+    z0 = budget / 2         # where the zoomed window starts
+    for i, mode in enumerate(panels):
+        zoomed = i == len(modes)
+        x0, shown = (z0, zoom) if zoomed else (0, budget * 1.15)   # the seconds the x axis spans
+        tick = (0 if zoomed  # zoomed: no widening, every span at its true width
+                else 1.5 * shown / (fig.get_figwidth() * fig.dpi * (right - left)))  # 1.5 px
+        ax = fig.add_subplot(len(panels), 1, i + 1)
         workers = sorted(spans[mode])
         for row, worker in enumerate(workers):
             row_spans, ticks = spans[mode][worker], []
@@ -74,13 +81,20 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float):
                     ticks.append((a, colour))
             for a, colour in ticks:
                 ax.barh(row, tick, left=a, height=0.6, lw=0, color=colour)
-        ax.axvline(budget, color="black", ls=":", lw=1)
         ax.set_yticks(range(len(workers)))
         ax.set_yticklabels([f"worker {w}" + (" (slow)" if w == workers[-1] else "")
                             for w in workers], fontsize=8)
-        ax.set_title(f"{mode}: {applied[mode]} gradients applied", fontsize=9)
-        ax.set_xlim(0, shown)
-        if i == len(modes) - 1:
+        if zoomed:
+            ax.set_title(f"{mode}, zoomed: the {1e3 * zoom:g} ms from {z0:g} s (boxed above), "
+                         "short spans at their true widths", fontsize=9)
+            ax.locator_params(axis="x", nbins=5)
+        else:
+            ax.axvline(budget, color="black", ls=":", lw=1)
+            ax.set_title(f"{mode}: {applied[mode]} gradients applied", fontsize=9)
+            if zoom and mode == modes[-1]:
+                ax.axvspan(z0, z0 + zoom, fill=False, ec="black", lw=0.8)
+        ax.set_xlim(x0, x0 + shown)
+        if i == len(panels) - 1:
             ax.set_xlabel("seconds (dotted: the budget; blue/red: computing, pink: the slow "
                           "worker's injected sleep, grey: waiting)")
     fig.subplots_adjust(left=left, right=right, bottom=0.16, top=0.92, hspace=0.6)
