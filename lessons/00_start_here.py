@@ -204,9 +204,9 @@ def hello(rank, world_size):
 results = launch.spawn(hello, 2, backend="gloo", timeout=60)
 print("results, in rank order:", results)
 claim("both ranks received the sum 10 + 20", results == [30.0, 30.0], results=results)
-viz.show(viz.spawn_figure(len(results), "gloo"), "the notebook asks the forkserver for each "
-         "rank; the ranks meet at rank 0's store, exchange data over gloo, send results back "
-         "on result_conn and exit when release_conn says every rank is done.")
+viz.show(viz.spawn_figure(len(results), "gloo"), "a helper with torch imported once (the "
+         "forkserver) starts each rank; the ranks meet at a key-value server rank 0 runs (the "
+         "store), return results on a pipe, exit on the notebook's word.")
 
 # %% [markdown]
 # How did `hello`, defined in this notebook, reach two new processes? A process that starts

@@ -27,7 +27,8 @@
 # 1. the four moves of a step — forward, loss, backward, step — and the one you must not forget;
 # 2. training for real: the loss falls and accuracy ends far above chance;
 # 3. throughput, and where a step's time goes;
-# 4. mixed precision (AMP): cheaper arithmetic, same accuracy;
+# 4. mixed precision (AMP): 16-bit arithmetic, same accuracy; faster only where the hardware
+#    has fast 16-bit units;
 # 5. seeds: when two runs are identical, and when they are not.
 #
 # The parameters cell below is what an instructor changes (with papermill, a tool that runs a
@@ -553,7 +554,7 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
       loss_outside.dtype == out.dtype)
 
 # %% [markdown]
-# Does the cheaper arithmetic cost accuracy? Two tests on the model we just trained. First,
+# Does the 16-bit arithmetic cost accuracy? Two tests on the model we just trained. First,
 # its predictions on the test set with and without autocast. Second, one more (short) epoch of
 # training from the *same* weights, once in float32 and once in AMP: both must end as accurate.
 # (Continuing from trained weights, rather than training from scratch twice, keeps the run

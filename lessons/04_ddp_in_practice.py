@@ -170,15 +170,9 @@ claim(f"{len(hook)} of the {len(added)} '+' lines are section 3's crash hook (--
 # which breaks this equality (section 9). Each script ends by printing `final weights
 # <fingerprint>` (`dp.state_checksum`, folded below: 16 hex digits of a SHA-256 of every
 # state_dict tensor's name, dtype and bytes). The two fingerprints below differ, because the two runs add the same numbers
-# in another order; the cell after prints the largest weight difference. Here both scripts' `main` runs in
-# ranks started by `launch.spawn` (faster: no agent, torch already imported), which
-# sets the six variables the script needs — `RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
-# `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` — and not the others torchrun's agent sets
-# (`TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`, `GROUP_RANK`, ...; torchrun
-# also sets `OMP_NUM_THREADS=1` if unset and `--nproc-per-node` > 1): the script reads those
-# two `TORCHELASTIC_` variables with a fallback (attempt 0, and `init_process_group`'s own
-# store instead of the agent's), the path taken here (claimed after the run).
-# Sections 2 and 3 run the script under torchrun itself.
+# in another order; the cell after prints the largest weight difference. Here both scripts'
+# `main` runs in ranks started by `launch.spawn` (faster: no agent), with only the
+# variables the script needs (folded below); sections 2 and 3 use torchrun.
 
 
 # %%
@@ -207,6 +201,18 @@ _ = launch.spawn(run_main, 1, str(train_single), small + [
 print(f"train_ddp.py, {world_size} ranks:")
 env_seen = launch.spawn(run_main, world_size, str(train_ddp), small + [
     "--per-rank-batch", str(per_rank_batch), "--out", str(work / "ddp.pt")], timeout=timeout)
+
+# %% [markdown]
+# <details><summary>▶ What launch.spawn sets in each rank's environment</summary>
+#
+# Six variables — `RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
+# `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` — and not the others torchrun's agent sets
+# (`TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_USE_AGENT_STORE`, `GROUP_RANK`, ...; torchrun
+# also sets `OMP_NUM_THREADS=1` if unset and `--nproc-per-node` > 1). The script reads those
+# two `TORCHELASTIC_` variables with a fallback (attempt 0, `init_process_group`'s own
+# store): the path taken here, claimed below.
+#
+# </details>
 
 # %%
 claim("launch.spawn gave every rank exactly the six variables RANK, LOCAL_RANK, WORLD_SIZE, "

@@ -591,8 +591,8 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # %% [markdown]
 # ### The scaling bugs, in numbers
 #
-# Two classic mistakes are measured in the folded table after the next paragraph (open it after
-# your lab passes).
+# Two classic mistakes are in the folded table of seven pairings below, measured in the folded
+# cell after it (open both after your lab passes).
 #
 # The loss most Keras 3 code writes is a Keras loss object,
 # `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. A call of a Keras
@@ -648,7 +648,8 @@ viz.show_code(mirrored.keras_loss_per_replica,
 # %% [markdown]
 # **▶ Six of the seven pairings' gradients, measured — open after your lab passes** (click the
 # folded cell below: `mirrored_answers.measure_pairings`; its output and claims are folded too).
-# The table's second row is checked on its losses instead, in a folded claim after these.
+# The table's second row is checked on its losses instead: the folded claim that ends the
+# second code cell below.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 # NBVAL_IGNORE_OUTPUT
@@ -659,8 +660,8 @@ with viz.folded_output("▶ The pairings' gradients and claims — open after yo
     ratios = mirrored_answers.measure_pairings(strategy, replicated, xb, yb, g_single)
 
 # %% [markdown]
-# **▶ The claims on a Keras loss computed on the host** (the code is folded below; its claims
-# show).
+# **▶ The claims on equal slices, on Keras losses computed on the host, and on the table's
+# second row** (the code is folded below; its claims show, except the second row's, folded).
 
 # %% jupyter={"source_hidden": true}
 def norm(grads):   # a gradient's (or a weight change's) norm, over all its tensors

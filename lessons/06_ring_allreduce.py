@@ -166,16 +166,16 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # * **binomial tree**: a reduce in ⌈log₂N⌉ rounds (in each, half of the workers still holding
 #   a partial sum send all K bytes of it to a partner, which adds), then a broadcast of the sum
 #   back down the same rounds;
-# * **Rabenseifner's algorithm** (what MPICH, a widely used MPI library, runs for long
-#   messages), for N = p a power of two: a reduce-scatter (as in §1, each worker ends with
-#   the sum of one part) by *recursive halving* (in round 1 each worker swaps half its array with
-#   the partner p/2 away and adds the half it keeps; in round 2 half of that half with the
-#   partner p/4 away, …), then an all-gather by *recursive doubling*, the same rounds
-#   backwards. A worker sends K/2 + K/4 + … = (p−1)K/p in each phase, 2(p−1)K/p in all — the
-#   ring's bytes — in 2log₂p steps, the tree's count. For other N, the N − p workers above
-#   the largest power of two p first hand their whole array to a partner and get the result
-#   back at the end: one more step of K bytes at each end. (Run on four workers, traced and
-#   drawn after the cost model's code below.)
+# * **Rabenseifner's algorithm** (MPICH's choice for long messages, MPICH being a widely used
+#   MPI library), for N = p a power of two: a reduce-scatter (§1) by *recursive halving* in the
+#   order Thakur, Rabenseifner and Gropp draw it (in round 1 each worker swaps half its array
+#   with the partner p/2 away and adds the half it keeps; in round 2 half of that half with the partner p/4 away, …), then an
+#   all-gather by *recursive doubling*, the same rounds backwards. A worker sends (p−1)K/p in
+#   each phase, 2(p−1)K/p in all — the ring's bytes — in 2log₂p steps, the tree's count. For
+#   other N, the N − p workers above the largest power of two p first hand their whole array to
+#   a partner and get the result back: one more K-byte step at each end. MPICH's code runs the
+#   same exchanges nearest partner first (1, 2, 4, … apart) and folds the even ranks below
+#   2(N − p) onto rank + 1: the same cost in the model.
 #
 # A step is one message per link, so α is a message's cost, except at the server: its link
 # takes N messages a step, priced at one α, as if they went at once at full rate, without
@@ -210,8 +210,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # worker swaps its whole array with a partner and adds, log₂N(α + Kβ), half the tree's time —
 # MPICH's all-reduce for short messages (Thakur et al.).
 #
-# The ring's bandwidth term is bounded by 2Kβ whatever N (from Kβ at N = 2, growing toward
-# 2Kβ); its latency term grows with N without bound. The binomial tree's
+# The ring's bandwidth term is bounded by 2Kβ whatever N; its latency term grows with N
+# without bound. The binomial tree's
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
 # its bandwidth term is 2⌈log₂N⌉Kβ (the figure's "binomial tree (unpipelined)": its message is not
 # *pipelined*, cut into segments that travel one behind another, §4; NCCL's tree pipelines,
@@ -233,9 +233,8 @@ for alg in ring.COST_MODELS:
     print(f"{alg:>16} {c.steps:>6} {c.critical_path_bytes / 1e6:>16.1f} {c.seconds * 1e3:>8.2f}")
 
 # %% [markdown]
-# **▶ The cost model's code** (click the folded cell below: `ring.cost`, the table's formulas
-# as this section's numbers, claims and figure compute them; `ring.ring_bytes_per_worker`, the
-# exact count checked above; `ring.simulate_rabenseifner`).
+# **▶ The cost model's code** (click the folded cell below: `ring.cost`, the table's formulas;
+# `ring.ring_bytes_per_worker`, the exact count checked above; `ring.simulate_rabenseifner`).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(ring.cost, ring.ring_bytes_per_worker, ring.simulate_rabenseifner,
@@ -378,7 +377,7 @@ t_fastest = np.array([r.all_reduce_min_s for r in table])  # dist.all_reduce, fa
 
 # %% [markdown]
 # Each timed call starts after a barrier; a repetition's time is its **slowest rank's**. The
-# fit uses each size's **fastest** repetition, the table of "How fast is it?" its **medians**.
+# table of "How fast is it?" uses **medians**.
 #
 # **▶ The measurement's code (optional, folded below): `bench.measure_allreduce`,
 # `bench.summarize_allreduce`.**
@@ -453,7 +452,7 @@ else:
 #
 # Plug into the model **published link bandwidths** (their
 # inverse is a link's β: the wire alone, no additions) — and
-# an assumed α of 10 µs — to *predict* (a model, not a measurement) how long one all-reduce of ResNet-50's gradients (25.6 M float32 values, about 102 MB) takes on
+# an assumed α of 10 µs — to *predict* how long one all-reduce of ResNet-50's gradients (25.6 M float32 values, about 102 MB) takes on
 # 8 GPUs with a ring:
 #
 # * NVLink 4 (H100 SXM) — NVIDIA's direct GPU-to-GPU link inside one server: 900 GB/s per GPU
@@ -591,14 +590,15 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 
 # %% [markdown]
 # So for big messages the model picks Rabenseifner's at every power of two. Why then does
-# torch's gloo backend ring (gloo has halving-doubling too, but `ProcessGroupGloo` takes gloo's
-# default, the ring), and NCCL (NVIDIA's library of collectives for GPUs, DDP's backend there)
-# ring among its choices (trees and others too: the folded cell below)? The model gives every
+# torch's gloo backend ring (gloo has halving-doubling too, but `ProcessGroupGloo` takes its
+# default, the ring), and NCCL (NVIDIA's GPU collectives, DDP's backend there) ring among other
+# choices (the folded cell below)? The model gives every
 # pair of workers a link of its own at full speed. Where links are shared — GPUs on one PCIe bus,
-# servers behind network switches — Rabenseifner's partners, p/2, p/4, … apart, exchange
-# across links that other pairs use at the same time, a cost the model does not see; a ring
-# only ever uses its neighbours' links, in an order that can follow the wiring, and its segments
-# pipeline (the timeline after lab 06).
+# servers behind network switches — some of Rabenseifner's rounds, in either order, pair
+# workers far apart, whose messages cross links other pairs use at the same time, a cost the
+# model does not see; a ring only uses its neighbours' links, in an order that can follow the
+# wiring, its segments pipeline (the timeline after lab 06), and NCCL runs several at once
+# (channels, above).
 #
 # **▶ What NCCL actually chooses (optional, click the folded cell below)**
 
@@ -624,8 +624,8 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 #   plugin* (a library NCCL loads to drive that network).
 #
 # On an NVSwitch server every pair of GPUs does have a full-speed path, so the shared-link
-# argument above does not hold there — and NCCL can leave the adding to the switch. The
-# sources (NCCL's tuner and topology code) are listed at the end.
+# argument above does not hold there — and NCCL can leave the adding to the switch.
+# Sources: NCCL's tuner and topology code (at the end).
 #
 # </details>
 
@@ -1121,5 +1121,6 @@ viz.quiz(quizzes.questions("06"))
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
 # - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/search.cc` — `ncclTopoSearchRecNet` (line 736: the search for a new channel tries the NICs from `nets[(graph->nChannels + i) % netCount]`, the next NIC for each new ring; a NIC is skipped when less than a channel's bandwidth is left on it, line 739, and each channel placed on it takes that much, lines 747-751); `src/graph/tuning.cc` — the tuner's bandwidth for a ring over more than two servers (line 306: `bw = bwInter`, the per-channel network bandwidth; line 324: `busBw = nChannels * bw`) and its latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
 # - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 287-295: each received segment is added into the output on the rank's CPU, `reduceInputs` and `opts.reduce`, inside the loop; lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded bullet above this list); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
-# - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, the extra step for N not a power of two) and their α-β costs; recursive doubling, lg p(α + nβ + nγ), MPICH's all-reduce for short messages; γ, the time per byte of the reduction's arithmetic.
+# - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, partners p/2 apart first; the extra step for N not a power of two) and their α-β costs; recursive doubling, lg p(α + nβ + nγ), MPICH's all-reduce for short messages; γ, the time per byte of the reduction's arithmetic.
+# - MPICH's source (github.com/pmodels/mpich), `src/mpi/coll/allreduce/allreduce_intra_reduce_scatter_allgather.c`, `MPIR_Allreduce_intra_reduce_scatter_allgather` ("Rabenseifner's Algorithm"): halving from distance 1 (`mask = 0x1`, doubled each round); even ranks below 2·rem send to rank + 1.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth; its cost model adds γ per byte for the additions.

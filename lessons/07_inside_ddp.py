@@ -136,10 +136,11 @@ for kind in ("after_backward", "per_parameter"):
 # lab's pointer.
 #
 # *When* DDP makes its buckets decides which gradients share one. By default it starts with one
-# bucket per dtype and, at the next forward, rebuilds them in the order the first backward's
-# gradients arrived; with `find_unused_parameters=True` it makes them once, from registration
-# order, and keeps them (details folded at this section's end). Left at its
-# default, `None` (25 MiB), `bucket_cap_mb` gives the first bucket a 1 MiB cap; any number
+# bucket (several dtypes: lab 07, part 1) and, at the next forward with gradients on, rebuilds
+# them in the order the first backward's gradients arrived; with `find_unused_parameters=True`
+# (and no `static_graph`) it makes them once, from registration order, and keeps them
+# (details folded at this section's end). Left at its default, `None` (25 MiB),
+# `bucket_cap_mb` gives the first of the buckets made by the caps a 1 MiB cap; any number
 # passed, 25 included, turns it off.
 #
 # **Lab 07, part 1 — now.** Before reading on, open
@@ -346,10 +347,7 @@ import ipywidgets as widgets
 def collectives_at(cap_kib):
     """Buckets (= all-reduces per step) that overlap.assign_buckets makes for this model."""
     params = list(model.parameters())
-    # every cap (in KiB) at which the count can change: the running sums of the sizes
-    sizes = [p.numel() * p.element_size() / 1024 for p in reversed(params)]
-    edges = {sum(sizes[i:j]) for i in range(len(sizes)) for j in range(i + 1, len(sizes) + 1)}
-    caps = sorted({cap_kib, 1, 4096, *(e for e in edges if 1 <= e <= 4096)})
+    caps = sorted({cap_kib, 1, 4096, *overlap.cap_steps_kib(params, 1, 4096)})
     counts = [len(overlap.assign_buckets(params, c / 1024)) for c in caps]
     fig = viz.new_figure(6, 3.6)
     ax = fig.add_subplot(1, 1, 1)
@@ -379,6 +377,8 @@ bucket_explorer = viz.explorer(
             f"all-reduce is left.",
     description="bucket-size explorer",
     folded="▶ The bucket-size explorer — open after your lab passes")
+viz.show_code(overlap.cap_steps_kib, folded="▶ overlap.cap_steps_kib: the caps the explorer "
+              "plots — open after your lab passes")
 
 # %%
 bucketed = launch.spawn(experiments.equality_worker, world_size, cfg, ("bucketed", "ddp"), cap_mb,
@@ -419,15 +419,14 @@ viz.show(viz.reducer_figure(),
 
 # %% [markdown]
 # - **In-order launch.** The reducer launches its buckets **strictly in bucket order**: a bucket
-#   that is complete before the ones ahead of it is not launched before them. Buckets made from
-#   the registration order (ours; DDP's with `find_unused_parameters=True`, never rebuilt) fill
-#   out of order whenever a layer is registered before one it follows; DDP's default buckets,
-#   rebuilt once from the first backward's order, only when a later backward's order differs
-#   (a branch that uses every parameter, in another order: under the default
-#   `find_unused_parameters=False` a parameter left without a gradient raises instead, lesson
-#   04 §10). Launching in bucket order makes the i-th
-#   all-reduce of every rank the same bucket; our class launches as buckets fill, which is
-#   safe here only because every rank runs the same backward in the same order.
+#   complete before the ones ahead of it waits for them. So the i-th all-reduce of every rank
+#   is the same bucket. Our class launches as buckets fill: safe here only because every rank
+#   runs the same backward in the same order. When do buckets fill out of order? Ours, and
+#   DDP's with `find_unused_parameters=True` (from registration order, never rebuilt): when a
+#   layer is registered before one it follows. DDP's default ones, rebuilt once from the first
+#   backward's order: when a later backward's order differs, say a branch using every
+#   parameter in another order. (A parameter left without a gradient raises instead under the
+#   default `find_unused_parameters=False`: lesson 04 §10.)
 # - **Gradients as views** (`gradient_as_bucket_view=True`): the reducer makes each `p.grad` a
 #   view of its slice of the bucket, so the all-reduced buffer *is* the averaged gradient: no
 #   copy back. If `p.grad` is zeroed in place (`zero_grad(set_to_none=False)`), autograd then
@@ -453,20 +452,25 @@ viz.show(viz.reducer_figure(),
 #
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
 # is in many matrices — 64 `Linear` layers of width 300 (the first, 3072 × 300, is the
-# largest at 3.52 MiB), quick on a CPU — and train it with the three versions and real DDP,
-# at each cap of `sweep_caps`. Three **controls** run beside them: `local` (no
-# communication: the compute alone), and the per-parameter and bucketed versions with
+# largest at 3.52 MiB) — and train it with the three versions and real DDP, at each cap of
+# `sweep_caps`, beside three **controls**, in shuffled **rounds** judged by a sign test.
+#
+# <details><summary>▶ How the runs are compared</summary>
+#
+# The controls: `local` (the compute alone), and the per-parameter and bucketed versions with
 # `overlap=False` — the same asynchronous all-reduces of the same buffers, launched only once
 # `backward()` has returned. The runs are short (`timed_steps` steps) on a shared machine, so
-# they take their steps in **rounds** (step 1 of every run in shuffled order, then step 2
+# they take their steps in rounds (step 1 of every run in shuffled order, then step 2
 # ...), compared round by round, in pairs chosen before the run: "faster" or "slower" only
 # when one run wins more rounds than chance gives 5% of the time (a sign test), else "no
 # clear difference" (picking the extreme pair afterwards would raise that 5%); "one bucket" and
 # 25 MiB, identical work here, check that yardstick (when they get a clear verdict, every later
-# one is marked weak). `timing_worker` also records the last step's
-# timeline, and our class its copies per bucket. Real DDP runs with nothing of ours in its
-# path (no comm hook, no gradient stamps); its all-reduces are counted afterwards, in one more
-# step under torch's profiler, from the process group's own records.
+# one is marked weak). `timing_worker` also records the last step's timeline, and our class
+# its copies per bucket. Real DDP runs with nothing of ours in its path; its all-reduces are
+# counted afterwards, in one more step under torch's profiler, from the process group's own
+# records.
+#
+# </details>
 
 # %%
 viz.show_code(experiments.timing_worker, experiments.count_ddp_collectives)
@@ -501,7 +505,7 @@ by = {(r["kind"], r["bucket_cap_mb"]): r for r in timing["runs"]}
 mlp_params = list(tcfg.build().parameters())
 print(f"model: {len(mlp_params)} parameter tensors")
 linears = [m for m in tcfg.build().modules() if isinstance(m, torch.nn.Linear)]
-mlp_mib = sum(p.numel() * p.element_size() for p in mlp_params) / 2**20
+mlp_mib = overlap.bucket_nbytes(mlp_params) / 2**20   # shown folded in section 3
 claim(f"the timed model: {len(linears)} Linear layers, the first {linears[0].in_features} × "
       f"{linears[0].out_features} the largest, "
       f"{linears[0].weight.numel() * 4 / 2**20:.2f} MiB of float32; {mlp_mib:.2f} MiB in all",
@@ -560,7 +564,8 @@ claim(f"real DDP (no hook): the profiler saw {ddp_run['collectives_per_step']} a
 # - **one all-reduce at a time**: bucket k starts when its last gradient is ready (or, in the
 #   control, when the backward ends) and not before bucket k−1 has finished; the bucket that
 #   holds the last gradient is complete only when the backward ends, so it starts then in both
-#   (gloo runs a group's work on 2 threads, so two all-reduces can overlap: left out).
+#   (gloo runs a process group's collectives on 2 worker threads here, `createDefaultOptions`
+#   in Sources, so two all-reduces can be in flight at once: left out).
 #
 # The step is then forward + max(backward, end of the last all-reduce) + optimizer step: when
 # the early buckets, each starting at its ready time, have finished by the end of the
@@ -785,20 +790,34 @@ display(Markdown(  # the sentence the next paragraph builds on, from this run's 
     "**In this run the sign test could not tell the two steps apart** (a loaded machine delays "
     "the wire thread and blurs the rounds); what holds is the claim above: less of the "
     "messages' time was left after the backward when overlapped."))
+
+
+def paired(r, part):  # ms, overlapped minus control, median of the paired rounds
+    value = lambda k: ([s - f for s, f in zip(r[k]["step"], r[k]["forward"])]
+                       if part == "backward + wait" else r[k][part])
+    return statistics.median(o - c for o, c in zip(value("overlap"), value("control")))
+
+
 bound_run = min(run["control"]["backward"], left["control"] - c_last)
-saved = -statistics.median(o - c for o, c in zip(off_cpu["overlap"]["step"], off_cpu["control"]["step"]))
+saved = -paired(off_cpu, "step")
+saved_bw = -paired(off_cpu, "backward + wait")   # the part the model predicts: it has no forward
+d_fwd, d_bwd, d_cal = paired(off_cpu, "forward"), paired(off_cpu, "backward"), paired(
+    calibration, "backward")
+noise = max(abs(d_fwd), abs(d_cal))   # this run's noise: two differences with no wire in them
 shift = sum(run["control"].values()) - sum(run["overlap"].values())
 print(f"in these rounds, overlapped / control: forward {run['overlap']['forward']:.1f} / "
       f"{run['control']['forward']:.1f} ms, backward {run['overlap']['backward']:.1f} / "
       f"{run['control']['backward']:.1f} ms, the control's messages {left['control']:.1f} ms: "
       f"bound {bound_run:.1f} ms, median saving {saved:.1f} ms, " + ("within it" if saved <=
       bound_run else f"above it: the control's forward + backward took {shift:+.1f} ms more"))
-print(f"the model on these rounds' own backward (B / C = {run['control']['backward'] / c_total:.2f}"
-      f") predicts {predicted['rounds']:.1f} ms: measured minus predicted "
-      f"{saved - predicted['rounds']:+.1f} ms ({saved / predicted['rounds'] - 1:+.0%}); against "
-      f"the calibration's prediction, {saved - predicted['calibration']:+.1f} ms")
-d_bwd, d_cal = (statistics.median(o - c for o, c in zip(r["overlap"]["backward"], r[
-    "control"]["backward"])) for r in (off_cpu, calibration))      # ms, paired rounds
+diff = saved_bw - predicted["rounds"]
+print(f"the model has no forward (neither variant communicates in it; paired forwards differ by "
+      f"{d_fwd:+.1f} ms). On backward + wait, from these rounds' own backward (B / C = "
+      f"{run['control']['backward'] / c_total:.2f}), it predicts {predicted['rounds']:.1f} ms, "
+      f"measured {saved_bw:.1f} ms: {diff:+.1f} ms ({saved_bw / predicted['rounds'] - 1:+.0%}), "
+      + ("within" if abs(diff) <= noise else "more than") + f" this run's noise, the larger of "
+      f"|forward difference| and |calibration's backward difference| = {noise:.1f} ms; against "
+      f"the calibration's prediction, {saved_bw - predicted['calibration']:+.1f} ms")
 close = lambda d: abs(d) <= 0.05 * wire_backward
 print(f"backward, overlapped minus control (median of paired rounds): {d_bwd:+.1f} ms; in the "
       f"calibration, whose wire sleeps 0 ms but whose thread still wakes at every bucket, "
@@ -814,12 +833,12 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 # %% [markdown]
 # Once the communication takes (almost) no CPU, the messages go on the wire under the backward
 # (the first claim above); the verdict above says whether the whole step was clearly faster,
-# and the backward's paired differences (this run's, and the calibration's as its noise) say
-# whether the compute stayed undisturbed, as the model assumes and a CPU need not give.
-# The wire's speed was set from the calibration's backward, and the rounds' own backward can
-# differ (on a loaded machine it can outlast it), and B / C with it: so the model's test is
-# its prediction from the rounds' own backward, printed above with the measured saving and
-# the gap between them.
+# and the backward's paired differences (this run's, and the calibration's as its noise)
+# whether the compute stayed undisturbed, as the model assumes. The rounds' own backward can
+# differ from the calibration's, which set the wire's speed, and B / C with it: so the
+# model's test is its prediction from the rounds' own backward against the measured saving in
+# backward + wait (it has no forward), agreeing only if the gap is within this run's noise,
+# the larger of the forwards' and the calibration's backwards' paired differences.
 #
 # The bound also says **when** overlap can pay: once the **compute-to-communication ratio
 # B / C is about 1 or more**, it *can* hide all but the last bucket; how much it does depends
@@ -961,12 +980,11 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 # Why can a bar be longer than lesson 06's α-β cost of its bucket, and several run at once?
 # Three things on this machine, none of them in the model:
 #
-# - **gloo runs each process group's work on 2 worker threads** here: 2 per gloo device,
-#   one device unless `GLOO_SOCKET_IFNAME` names several (read in the source, *not run
-#   here*; each thread runs `runLoop`), so two all-reduces can be in flight together, and each
-#   rank has up to three busy threads — the backward and two gloo workers — on the cores
-#   both ranks share: with fewer cores than busy threads, each all-reduce takes longer than
-#   alone, and so does the backward.
+# - **gloo's 2 worker threads** (section 4's model): 2 per gloo device, one device unless
+#   `GLOO_SOCKET_IFNAME` names several (read in the source, *not run here*; each thread runs
+#   `runLoop`). Each rank has up to three busy threads — the backward and two gloo workers —
+#   on the cores both ranks share: with fewer cores than busy threads, each all-reduce takes
+#   longer than alone, and so does the backward.
 # - **The "done" stamp is Python**: a Python callback appends the time once the all-reduce
 #   completes (`BucketedDataParallel._launch`, folded in section 3). It runs only
 #   once it holds the GIL. `loss.backward()` runs with the GIL released (Sources) but for

@@ -85,10 +85,11 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # (fp32 weights, bf16 operations) and FSDP2 as section 6 runs it (fp32 shards, computed in
 # bf16) keep no master copy: a parameter costs 4 (weights) + 4 (gradients) + 8 (momentum and
 # variance), still 16 but split differently, so each stage saves a different amount — ZeRO-2
-# keeps 4 + 12/N, not 2 + 14/N. (16 is what persists between steps: autocast also keeps a bf16
-# cast of each weight that the backward needs, about 2 more from forward to backward under
-# DDP; FSDP2 casts one unit at a time.) Below, `torch.autograd.graph.saved_tensors_hooks`
-# calls its first function on every tensor autograd saves for the backward: ours lists them.
+# keeps 4 + 12/N, not 2 + 14/N. (16 persists between steps if `zero_grad()` runs at the top of
+# a step, not right after `step()`: section 3. Autocast also keeps bf16 casts of the weights
+# the backward needs, up to 2 more from forward to backward under DDP; FSDP2 casts one unit
+# at a time.) Below, `torch.autograd.graph.saved_tensors_hooks` lists every tensor autograd
+# saves for the backward.
 
 # %%
 viz.show_code(zero.bytes_per_param)
@@ -111,11 +112,18 @@ with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_ten
         lambda t: kept.append(t) or t, lambda t: t):
     mlp(torch.randn(4, 64))
 casts = [t for t in kept if t.shape == (64, 64)]
-claim("under autocast autograd keeps a bf16 copy of a Linear's weight until the backward "
-      "(2 bytes per weight)",
-      len(casts) >= 1 and all(c.dtype == torch.bfloat16 for c in casts)
-      and any(torch.equal(c.T, lin.weight.to(torch.bfloat16)) for c in casts
-              for lin in (mlp[0], mlp[2])))
+claim("under autocast autograd keeps a bf16 copy (2 bytes per weight) of one of the two "
+      "Linears' weights until the backward (which, and why: folded below)",
+      len(casts) == 1 and casts[0].dtype == torch.bfloat16
+      and any(torch.equal(casts[0].T, lin.weight.to(torch.bfloat16)) for lin in (mlp[0], mlp[2])))
+
+# %% [markdown]
+# <details><summary>▶ Which, and why — open after lab 11's part 6 passes</summary>
+#
+# `mlp[2]`'s: a Linear saves its weight for its input's gradient only, and `mlp[0]`'s input,
+# the data, needs none (lesson 11, §1, checks it).
+#
+# </details>
 
 # %% [markdown]
 # The ZeRO paper's Figure 1 is this formula for a 7.5-billion-parameter model on 64 GPUs:
@@ -209,8 +217,7 @@ viz.show_code(zero.Zero1.__init__, zero.Zero1.gradient_slice, zero.Zero1.step)
 # backward, which must not wait for them; what to keep in flight, and when to wait for it, is
 # yours to decide under the memory bound the lab states. The check weighs the gradient
 # memory alive at every arrival, and you predict the peak before you measure it. The tool it
-# needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2). Below, the
-# library's pieces of the lab are folded behind ▶ labels.
+# needs, `Tensor.register_post_accumulate_grad_hook`, is lesson 07's (§2).
 
 # %% [markdown]
 # **▶ `Zero2` whole, where its `step()` sends the gradients — open after your lab passes**
@@ -371,10 +378,9 @@ viz.show_code(zero.traffic_per_step, zero.summarize_traffic,
 # %% [markdown]
 # What that looks like in time: one step of `Zero3`, timed from the calls themselves. A
 # worker replaces each layer's `gather` and `free` by versions that note the time before and
-# after (`free` itself, shown below it, resizes the layer's flat buffer's storage to 0 bytes),
-# and times each reduce-scatter with the `before` and `after` hooks of lesson 07's
-# recorder, `collectives.record_collectives` (the second of two steps, so nothing is measured
-# for the first time).
+# after (`free`: shown below it), and times each reduce-scatter with the `before` and `after`
+# hooks of lesson 07's recorder, `collectives.record_collectives` (the second of two steps, so
+# nothing is measured for the first time).
 
 # %%
 viz.show_code(experiments.zero3_timeline_worker, zero.ShardedLayer.free)
@@ -461,8 +467,8 @@ viz.show(viz.zero3_timeline_figure(events, layer_names),
 # Now in mixed precision — bf16 weights and gradients, fp32 master and Adam state, the
 # setting of the formula — at N = 2, 3 and 4. After the last step each rank counts the bytes
 # behind every tensor it holds, by storage (section 3's rule). Every collective is recorded
-# too. `count_bytes`'s `to_local` line is for section 6's FSDP2, whose parameters are *DTensors*: one logical tensor cut across the ranks, of
-# which `to_local()` returns the piece this rank holds.
+# too. `count_bytes`'s `to_local` line takes this rank's piece of section 6's FSDP2
+# parameters (*DTensors*).
 
 # %%
 viz.show_code(zero.count_bytes, zero.memory_per_rank)
@@ -651,7 +657,7 @@ viz.show_code(zero_answers.fsdp2_drop_order,
 # *placements*, one per mesh dimension, say how the pieces make the whole — `Shard(dim=0)`: cut
 # along dimension 0, rank r holding chunk r; `Replicate()`: a full copy on every rank.
 # `fully_shard` places each parameter here as `Shard(dim=0)`, as its `shard_placement_fn` is
-# left at None (a function there may pick another dimension) and the parameter is a plain
+# left at None (a function there may pick another dimension or mesh) and the parameter is a plain
 # tensor; one that tensor parallelism has already cut along
 # the dimension FSDP shards (a DTensor, lesson 11, §4) gets a `_StridedShard` placement on the
 # data-parallel dimension instead (`_fsdp_param.py`, `FSDPParam._init_sharded_param` and
@@ -797,7 +803,8 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # %% [markdown]
 # Inside a group's `post_backward` the order is our `Zero3`'s (section 4). FSDP2 gathers and
 # frees a *parameter group* at a time (here one layer; `fully_shard(module)` makes a module's
-# parameters one `FSDPParamGroup`, and the `set_*` methods below are its switches). When a
+# parameters one `FSDPParamGroup` by default, several if a `shard_placement_fn` gives some
+# parameters another mesh; the `set_*` methods below are its switches). When a
 # group's backward is done, its `post_backward`
 # puts the gradients aside, calls `reshard()` (free the full weights), then `foreach_reduce`
 # (the reduce-scatter) — by default: `set_reshard_after_backward(False)` (below) skips
@@ -888,7 +895,7 @@ claim("its volume per step is 3Ψ (DDP's all-reduce, then each rank broadcasts i
 # ## 7. When to use what
 # | | memory per parameter: paper (fp16 + fp32 master) | fp32 weights (autocast, FSDP2 here) | traffic (elements; bytes in one dtype) | use it when |
 # |---|---|---|---|---|
-# | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same; autocast's weight casts add ~2 B from forward to backward) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
+# | DDP | 16 B (torch DDP: + a second copy of the gradients in its buckets, 18 B, unless `gradient_as_bucket_view=True`) | 16 B (torch DDP: 20 B, the same; autocast's weight casts add up to 2 B from forward to backward) | 2Ψ | the model, its gradients and Adam fit on one GPU: simplest, fastest |
 # | ZeRO-1 | 4 + 12/N B | 8 + 8/N B | 2Ψ | Adam's state is what does not fit: free memory, no extra traffic |
 # | `ZeroRedundancyOptimizer` | — (keeps no master copy) | 12 + 8/N B under DDP's default `gradient_as_bucket_view=False` (4 weights + 4 gradients + 4 for DDP's buckets + Adam's 8/N; the run above weighs only the optimizer state), 8 + 8/N B with `gradient_as_bucket_view=True`; roughly, as whole parameters are per rank | 3Ψ | ZeRO-1 ready-made for a DDP model: one line, at the cost of a broadcast |
 # | ZeRO-2 | 2 + 14/N B | 4 + 12/N B | 2Ψ (ours reduce-scatters in `step()`, so also with k accumulation micro-batches); (k+1)Ψ at k (derived, not run) for one that reduce-scatters during each backward and keeps only its shard | more memory freed, no extra traffic without accumulation — and a lower peak if the gradients are reduce-scattered during the backward (lab 08) |
@@ -929,8 +936,7 @@ claim(f"a 13-B model on 8 \"40-GB\" A100s (40 GiB = {40 * gib / gb:.1f} GB each;
 #   just before its reduce-scatter, was the same at N = 2, 3 and 4.
 # - ZeRO-1 and 2 replace DDP's all-reduce by its two halves, reduce-scatter and all-gather: the
 #   same traffic when gradients and weights travel in one dtype and each step has one
-#   backward (a ZeRO-2 that reduce-scatters during each backward, keeping only its shard,
-#   sends (k+1)Ψ at k accumulation micro-batches — derived, not run; DDP under `no_sync()` and ours, 2Ψ). ZeRO-3 gathers the weights
+#   backward (with k accumulation micro-batches: section 7's table). ZeRO-3 gathers the weights
 #   twice (forward and backward): 1.5× then, with one backward per step and nothing tied
 #   across units — more with a tied layer (measured) or gradient accumulation, less where
 #   FSDP2 keeps its root gathered. With bf16 weights and fp32 gradients the ratios become
@@ -966,7 +972,12 @@ viz.quiz(quizzes.questions("08"))
 # - `torch/_tensor.py` — `Tensor.register_post_accumulate_grad_hook`: the hook runs once the
 #   gradient has been accumulated into `p.grad` (ZeRO-3's reduce-scatter, the lab's buckets).
 # - `torch/optim/optimizer.py` — `Optimizer.zero_grad(set_to_none=True)`: by default it sets
-#   each `p.grad` to None, freeing the gradients (section 3's "at rest").
+#   each `p.grad` to None, freeing the gradients (section 1's 16 bytes between steps, section
+#   3's "at rest").
+# - `torch/distributed/fsdp/_fully_shard/_fsdp_init.py` — `_init_param_group`: one
+#   `FSDPParamGroup` per `fully_shard` call when `shard_placement_fn` is None or keeps every
+#   parameter on one process group; otherwise one per process group of the meshes in the
+#   `ShardPlacementResult`s it returns (`_fsdp_common.py`, `resolve_shard_placement`).
 # - `torch/autograd/graph.py` — `saved_tensors_hooks`: its pack hook is called on every tensor
 #   an operation saves for the backward (section 1's list of what autocast keeps).
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: the comm

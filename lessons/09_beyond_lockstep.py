@@ -139,11 +139,11 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # Traffic. Every step the server sends the K weights to each worker and receives K gradient
 # numbers from each: NK sent and NK received, **2NK through the server**. A ring rank (lesson
 # 06) sends 2(N−1)K/N and receives as much. In bytes (sent against sent), the server moves
-# **N²/(2(N−1))** times a ring rank's: 2× at N = 2, about N/2 for large N. In time, priced
+# **N²/(2(N−1))** times a ring rank's (printed below), about N/2 for large N. In time, priced
 # by lesson 06's `ring.cost` at α = 0 (computed below, not timed), twice
 # that *for a server like ours, the whole model one message*: a ring rank sends while it
 # receives, 2(N−1)K/N·β; our server sends NK out, *then* takes NK in, 2NKβ, **N²/(N−1)**
-# times the ring's (4× at N = 2). With α > 0 the two models differ: `cost` charges the server 2
+# times the ring's. With α > 0 the two models differ: `cost` charges the server 2
 # α terms, our serial server pays 2N (table). Over the whole cluster the
 # two send about the same (2NK against 2(N−1)K elements); the difference is *where*: one
 # server funnels it all through one network card. Production parameter servers avoid that
@@ -170,26 +170,29 @@ for n, r in ps.items():
     print(f"N={n}: in {cfg.steps} steps the server sent {sent // 4:,} and received "
           f"{received // 4:,} elements; a ring rank would send "
           f"{async_sgd.ring_elements_per_rank(K, n) * cfg.steps:,} and receive as many")
+ratios = {n: r[0]["sync_bytes"][0] / 4 / cfg.steps / async_sgd.ring_elements_per_rank(K, n)
+          for n, r in ps.items()}                                   # sent against sent
+times = {n: ring.cost("parameter-server", n, 4 * K, 0, 1).seconds   # lesson 06's prices,
+         / ring.cost("ring", n, 4 * K, 0, 1).seconds for n in ps}   # alpha 0: bandwidth only
+print("\nhow many times a ring rank's share the server carries, per step:")
+print(f"{'':<8}{'bytes sent':<12}time (ring.cost, α = 0)")
+for n in ps:
+    print(f"{f'N = {n}':<8}{ratios[n]:<12.2f}{times[n]:.2f}")
 claim("the server moves 2NK elements per step, NK sent and NK received (4 bytes each), at every N",
       all(r[0]["sync_bytes"] == (n * K * 4 * cfg.steps,) * 2 for n, r in ps.items()))
 claim("each worker moves 2K per step",
       all(sum(w["sync_bytes"]) == 2 * K * 4 * cfg.steps for r in ps.values() for w in r[1:]))
-ratios = {n: r[0]["sync_bytes"][0] / 4 / cfg.steps / async_sgd.ring_elements_per_rank(K, n)
-          for n, r in ps.items()}
+# The ring's count is chunk by chunk (uneven chunks where N does not divide K): its slack
+# from 2(N−1)K/N, for K and the next N−1 sizes, stays under 2 elements, so 0.1 % is enough.
 gaps = {n: max(abs(async_sgd.ring_elements_per_rank(k_, n) - 2 * (n - 1) * k_ / n)
-               for k_ in range(K, K + n)) for n in ps}   # the chunk-by-chunk count's slack
-claim("in bytes, sent against sent, the server's / a ring rank's == N²/(2(N−1)) (to 0.1 %: "
-      f"the ring count is chunk by chunk, at most {max(gaps.values()):.2f} elements from "
-      f"2(N−1)K/N for K = {K}..{K + max(ps) - 1}, under 2): "
-      + ", ".join(f"N={n}: {v:.2f}" for n, v in ratios.items()),
+               for k_ in range(K, K + n)) for n in ps}
+claim("in bytes, the server's / a ring rank's == N²/(2(N−1)), at every N (to 0.1 %)",
       all(math.isclose(v, n * n / (2 * (n - 1)), rel_tol=1e-3) for n, v in ratios.items())
-      and max(gaps.values()) < 2, gaps=gaps)
-times = {n: ring.cost("parameter-server", n, 4 * K, 0, 1).seconds   # lesson 06's prices,
-         / ring.cost("ring", n, 4 * K, 0, 1).seconds for n in ps}   # alpha 0: bandwidth only
-claim(f"in time, by ring.cost, the bandwidth term (α = 0; the model one message: out, then in): the "
-      f"server's 2NKβ / a ring rank's 2(N−1)K/N·β == N²/(N−1), twice the byte ratio, per N: {times}",
+      and max(gaps.values()) < 2, ratios=ratios, gaps=gaps)
+claim("in time (the model one message: out, then in), the server's 2NKβ / a ring rank's "
+      "2(N−1)K/N·β == N²/(N−1), twice the byte ratio",
       all(math.isclose(v, n * n / (n - 1)) and abs(v / ratios[n] - 2) < 2e-3
-          for n, v in times.items()))
+          for n, v in times.items()), times=times, ratios=ratios)
 
 # %% [markdown]
 # **▶ `ring.ring_bytes_per_worker`**, the chunk-by-chunk count, `ring.chunk_bounds`, the
@@ -208,6 +211,7 @@ viz.show(viz.ps_traffic_figure(K, {n: sum(r[0]["sync_bytes"]) // 4 // cfg.steps
                                    for n, r in ps.items()}),
          "Sent + received per step: dots counted at our server (N = 2, 3); lines the formulas "
          "2NK (server) and 4(N−1)K/N (ring rank, under 4K whatever N), drawn for N = 2..16.")
+viz.show_code(viz.ps_traffic_figure, folded="▶ code: viz.ps_traffic_figure")
 
 # %% [markdown]
 # **Asynchronous mode** drops the wait: the server applies each gradient the moment it
@@ -390,13 +394,14 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # Downpour SGD (Dean et al., 2012) trained with many stale replicas; the analyses since say
 # that a stale gradient is safe only with a step small enough for its delay, and the
 # staleness-aware step of Zhang et al. (2016) divides the step by the staleness: lr/s for a
-# gradient s ≥ 1 updates stale (what a fresh one gets is lab 09's question). The other classic answer bounds the delay instead of shrinking the
-# step: Stale Synchronous Parallel (Ho et al., NIPS 2013), called *bounded delay* by Li et al.
-# (OSDI 2014). Each worker counts its own iterations — SSP calls that count the worker's
-# *clock* — and a worker whose clock is more than s ahead of the slowest worker's must *wait*
-# before its next read; every update is applied. Lab 09's bounded server bounds it at the
-# server instead: it refuses a push more than s updates stale (what the worker does then is the
-# lab's question).
+# gradient s ≥ 1 updates stale (what a fresh one gets is lab 09's question). The other classic
+# answer bounds the delay instead of shrinking the step, at a bound s_max: Stale Synchronous
+# Parallel (Ho et al., NIPS 2013), called *bounded delay* by Li et al. (OSDI 2014). Each
+# worker counts its own iterations — SSP calls that count the worker's *clock* — and a worker
+# whose clock is more than s_max ahead of the slowest worker's must *wait* before its next
+# read; every update is applied. Lab 09's bounded server bounds it at the server instead: it
+# refuses a push more than s_max updates stale (`max_staleness`; what the worker does then is
+# the lab's question).
 
 # %%
 viz.show_code(async_sgd.SimulatedServer)
@@ -476,6 +481,7 @@ viz.show(viz.staleness_figure(taus, sweep, start_loss=start_loss),
          f"{min(kept_small[:-1]):.0%} of τ = 0's loss reduction, but τ = {taus[-1]} kept only "
          f"{kept_small[-1]:.0%} (and ended above its start in {n_diverged[small][-1]} of "
          f"{len(seeds)} seeds); at larger steps a few updates of delay are enough for that.")
+viz.show_code(viz.staleness_figure, folded="▶ code: viz.staleness_figure")
 
 # %% [markdown]
 # Try it: pick a staleness τ and a learning rate (from 0.3 up, where the table's runs
@@ -733,6 +739,7 @@ viz.show(viz.local_sgd_drift_figure(local_hs, losses, local[0]["start"][0],
          "spread between the H is small next to the progress all of them made. Right: rank "
          "0's drift, measured just before each average: the longer the replicas train apart, "
          "the further they drift.")
+viz.show_code(viz.local_sgd_drift_figure, folded="▶ code: viz.local_sgd_drift_figure")
 
 # %%
 by_loss = sorted(local_hs, key=lambda h: local[0][h]["loss"])    # best first
@@ -793,6 +800,7 @@ print(f"warmup ramps over {per_epoch} of the large batch's {per_epoch * epochs} 
 viz.show(viz.large_batch_figure(curves, start_loss=start_loss),
          f"Batch ×{k}, from the same start (dotted): without scaling the lr it barely learns in "
          "the same epochs; scaled, it closes most of the gap to the small batch.")
+viz.show_code(viz.large_batch_figure, folded="▶ code: viz.large_batch_figure")
 
 # %%
 small_b, unscaled, scaled, warm = (c[-1] for c in curves.values())

@@ -560,7 +560,8 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
       "per replica and step")
 
 # %% [markdown]
-# What those micro-batches do to each side's bytes is the fold above (lab 11's answer).
+# What those micro-batches do to tensor and data parallelism's bytes is in the fold "Tensor
+# parallelism's messages weighed against data parallelism's" above (lab 11's answer).
 # And *when* the bytes travel matters more:
 # DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's collectives sit
 # between one matmul and the next. Some can hide behind a matmul that does not need their
@@ -743,7 +744,8 @@ viz.show_code(tp_answers.sp_collectives, folded="▶ code: the claims — open a
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
 # Tensor parallelism cuts every layer; **pipeline parallelism** cuts the model into K
 # **stages** of consecutive layers, one per rank (K is the stages from here on, as in lab 11;
-# lesson 06's K was a message's size, lesson 08's the optimizer's bytes per parameter), and
+# lesson 06's K was the size of the gradient all-reduced, lesson 08's the optimizer's bytes
+# per parameter), and
 # passes activations forward (`send`/`recv`, lesson 06) and their gradients backward. With one batch only one stage
 # works at a time, so the batch is cut into M **micro-batches** that follow each other
 # through the stages (GPipe, Huang et al. 2019); each stage *accumulates* the M micro-batches'
@@ -755,7 +757,7 @@ viz.show_code(tp_answers.sp_collectives, folded="▶ code: the claims — open a
 # section 5 prints beside the bubble.)
 #
 # **▶ How the M micro-batches' gradients become the whole batch's — open after lab 11's
-# part 6 passes** (the optional stretch asks for this: if you do the stretch, open it after).
+# stretch passes**.
 
 # %% [markdown]
 # <details><summary>▶ open</summary>
@@ -818,14 +820,14 @@ viz.show_code(pipeline_parallel.make_mlp, pipeline_parallel.split_stages,
               pipeline_parallel.reference_step)
 
 # %% [markdown]
-# **▶ One stage's loop, its launcher and the measured bubble — open after lab 11's part 6
-# passes** (it holds the optional stretch's answer: if you do the stretch, open it after).
+# **▶ One stage's loop, its launcher and the measured bubble — open after lab 11's stretch
+# passes**.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(pipeline_parallel.run_stage, pipeline_parallel.pipeline_worker,
               pipeline_parallel.run_pipeline, pipeline_parallel.measured_bubble,
               folded="▶ One stage's loop, its launcher and the measured bubble — open after "
-                     "lab 11's part 6 passes")
+                     "lab 11's stretch passes")
 
 # %% [markdown]
 # The two claims below rest on these lines, read from the source: `pipeline_worker` counts

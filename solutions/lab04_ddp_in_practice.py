@@ -342,9 +342,9 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # is each rank's alone must travel to rank 0 first, and it is no tensor: torch.distributed's
 # collectives are not only for tensors, some carry any Python object (they pickle it), though
 # no lesson has used them yet. On a GPU, dropout on a CUDA tensor draws from that GPU's
-# generator, which `torch.get_rng_state` does not hold. And a save can itself be cut short:
-# until the new file is complete, the old one must stay whole where a restart looks (lesson
-# 04, §3).
+# generator, which `torch.get_rng_state` does not hold. A save cut short is the given
+# `save_checkpoint`'s concern: it leaves the old file whole until the new one is complete
+# (lesson 04, §3).
 #
 # </details>
 
@@ -355,7 +355,7 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # device, an empty list without a GPU) to an object collective, which pickles any Python
 # object (`dist.all_gather_object` fills a list, one entry per rank, on every rank;
 # `dist.gather_object` fills it on its `dst` rank only); then rank 0 alone writes one dict
-# (beside the old file first, then over it in one step): the plain model's weights, the
+# with `save_checkpoint`: the plain model's weights, the
 # optimizer's state dict, the epoch, that list. Resume: no file, return 0; else on every rank
 # load the weights into the model inside the wrapper, the optimizer's state, this rank's entry
 # of the list into the generators; return the saved epoch plus one.

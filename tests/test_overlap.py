@@ -124,6 +124,17 @@ def test_assign_buckets_refuses_a_bad_cap(cap):
         overlap.assign_buckets(_params(3), cap)
 
 
+def test_cap_steps_kib_holds_every_cap_where_the_count_changes():
+    params = list(nn.Sequential(nn.Linear(20, 30), nn.Linear(30, 7), nn.Linear(7, 3)).parameters())
+    steps = overlap.cap_steps_kib(params, 0.001, 10)
+    assert steps == sorted(steps) and all(0.001 <= s <= 10 for s in steps)
+    count = lambda kib: len(overlap.assign_buckets(params, kib / 1024))
+    # between two neighbouring steps the count cannot change
+    for a, b in zip(steps, steps[1:]):
+        assert count(a * 1.0001) == count(b * 0.9999)
+    assert count(steps[0] * 0.9999) != count(steps[-1] * 1.0001)
+
+
 def test_powersgd_formula():
     got = overlap.powersgd_elements([(1024, 1024), (1024,), (8, 3, 3, 3)], rank=2)
     # 1024x1024 -> P 1024x2 + Q 1024x2; the 8x27 conv -> P 8x2 + Q 27x2 ((8+27)*2*2 < 216);

@@ -161,6 +161,18 @@ def bucket_nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def cap_steps_kib(params, lo_kib: float, hi_kib: float) -> list[float]:
+    """Every cap in KiB, within [lo_kib, hi_kib], at which :func:`assign_buckets`'s count of
+    buckets for ``params`` can change: the sums of the bytes of each run of neighbours in the
+    walk's order (``params`` reversed). A figure plots the count at these caps only.
+
+    Shown in lesson 07, §3.
+    """
+    sizes = [p.numel() * p.element_size() / 1024 for p in reversed(list(params))]
+    edges = {sum(sizes[i:j]) for i in range(len(sizes)) for j in range(i + 1, len(sizes) + 1)}
+    return sorted(e for e in edges if lo_kib <= e <= hi_kib)
+
+
 def assign_buckets(params, bucket_cap_mb: float,
                    first_bucket_mb: float | None = None) -> list[list[nn.Parameter]]:
     """Group ``params`` into buckets by DDP's rule, in *reverse* order.

@@ -243,6 +243,9 @@ def simulate_rabenseifner(arrays: Sequence[np.ndarray], rounds: list | None = No
     *recursive doubling* (partners 1, 2, ..., p/2 apart: each sends the part it holds complete
     and takes its partner's). Last, the extra workers get the result back. Exchanges within a
     round use the buffers as they were at the round's start, as simultaneous messages would.
+    The halving's order (far partner first) is the one Thakur, Rabenseifner and Gropp (2005)
+    draw; MPICH's code runs the same exchanges nearest partner first and folds even ranks below
+    2(N - p) onto rank + 1, at the same cost in the alpha-beta model.
 
     With ``rounds`` (a list), one dict per halving or doubling round is appended to it:
     ``phase``, ``distance`` (partners are ``distance`` apart), ``parts`` (each of the first p

@@ -46,8 +46,9 @@ QUESTIONS = [
      "answer": 1,
      "why": ["The opposite: divergence comes from large steps on stale information.",
              "Right: counted over seeds, the delay a step tolerates shrank as the step grew; "
-             "at a constant τ the staleness-aware step is the unaware server at lr/τ, on "
-             "the same stale gradients.",
+             "at a constant τ the staleness-aware step is, from the (τ+1)-th update on, the "
+             "unaware server at lr/τ on the same stale gradients (during the first τ updates "
+             "the staleness is still rising).",
              "More workers make the gradients staler."]},
     {"q": "Local SGD with H = 8 compared with DDP:",
      "options": ["8× fewer bytes sent, with drift between the averages",

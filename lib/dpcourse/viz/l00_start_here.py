@@ -33,20 +33,20 @@ def spawn_figure(world_size: int = 2, backend: str = "gloo"):
                     color=colour, ha="center", va="center")
 
     box(2.0, 4.3, "notebook (parent)\nlaunch.spawn", "#cfe2f3")
-    box(6.2, 4.3, "forkserver\n(torch imported once)", "#eeeeee")
+    box(6.2, 4.3, "forkserver: a helper process\n(torch imported once)", "#eeeeee")
     arrow((3.3, 4.3), (4.9, 4.3), "start rank k", dy=0.18)
     xs = [1.4 + 7.2 * k / max(1, world_size - 1) for k in range(world_size)]
     for k, x in enumerate(xs):
         box(x, 2.0, f"rank {k}\nfn(rank, world_size)", "#d9ead3", w=2.2)
         arrow((6.2, 3.9), (x, 2.4), "fork" if k == world_size - 1 else "", dx=0.35)
-        arrow((x - 0.5, 2.4), (1.6, 3.9), "result_conn:\nresult, output" if k == 0 else "",
+        arrow((x - 0.5, 2.4), (1.6, 3.9), "pipe result_conn:\nresult, output" if k == 0 else "",
               colour="#1c4587", dx=-0.55)
-        arrow((2.3, 3.9), (x + 0.1, 2.4), "release_conn:\nexit now" if k == 0 else "",
-              colour="#990000", dx=0.6, dy=0.15)
-    box(xs[0], 0.55, "TCPStore on 127.0.0.1:port\n(rank 0 hosts it: rendezvous)", "#fff2cc",
-        w=3.0)
+        arrow((2.3, 3.9), (x + 0.1, 2.4), "pipe release_conn:\nexit now" if k == 0 else "",
+              colour="#990000", dx=0.75, dy=0.15)
+    box(xs[0], 0.6, "store: a key-value server\nTCPStore on 127.0.0.1:port\n"
+        "(rank 0 hosts it: rendezvous)", "#fff2cc", w=3.0, h=1.05)
     for k, x in enumerate(xs):
-        arrow((x, 1.6), (xs[0] + (0.6 if k else 0.0), 0.95), "", colour="#7f6000", ls="--")
+        arrow((x, 1.6), (xs[0] + (0.6 if k else 0.0), 1.15), "", colour="#7f6000", ls="--")
     for a, b in zip(xs, xs[1:]):
         arrow((a + 1.1, 2.0), (b - 1.1, 2.0), f"{backend}: the collectives' data",
               colour="#38761d", style="<|-|>", dy=0.2)

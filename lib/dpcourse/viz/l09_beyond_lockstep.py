@@ -26,7 +26,9 @@ def _finish(fig, ax, xlabel: str, ylabel: str, margins: dict, legend_size: int =
 def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 17)):
     """Elements sent + received per step, like for like: through a parameter server (2NK: NK
     out, NK in) against through one rank of a ring all-reduce (4(N-1)K/N: 2(N-1)K/N each way);
-    ``measured = {N: elements counted at the server, sent + received}``."""
+    ``measured = {N: elements counted at the server, sent + received}``.
+
+    Shown in lesson 09, §1."""
     fig = new_figure(6.0, 3.6)
     ax = fig.add_subplot(1, 1, 1)
     ns = list(ns)
@@ -107,7 +109,9 @@ def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = Non
     (``losses[lr] = [loss at each τ]``); a run off the scale (loss above ``cap``, inf or NaN)
     is drawn as an ✕ at the cap; "diverged" (ended above the start) is the line above
     ``start_loss``, not the ✕. ``aware[lr]``: the same with staleness-aware steps, dashed; a ``None``
-    in it is a τ that was not run, left out of the line."""
+    in it is a τ that was not run, left out of the line.
+
+    Shown in lesson 09, §2."""
     fig = new_figure(6.5, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     colours = ["#2ca02c", "#1f77b4", "#d62728", "#9467bd", "#8c564b"]
@@ -151,7 +155,9 @@ def local_sgd_drift_figure(hs: Sequence[int], losses: Sequence[float], start_los
     """Left: the test loss after the budget against H, on an axis that includes the starting
     loss (a dashed line), so the spread is read against the progress made. Right: the drift
     measured at each average (``drift[h]``: one value per average, every H steps) against the
-    step at which it was measured, one line per H."""
+    step at which it was measured, one line per H.
+
+    Shown in lesson 09, §3."""
     fig = new_figure(9.0, 3.6)
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     ax.plot(hs, losses, "o-", color="#1f77b4", label="after the budget")
@@ -209,7 +215,9 @@ def local_sgd_figure(hs: Sequence[int], losses: Sequence[float], averages: Seque
 
 def large_batch_figure(curves: dict, start_loss: float | None = None):
     """Test loss after each epoch, one line per run (``curves[label] = [loss per epoch]``);
-    with ``start_loss``, every line starts from it at epoch 0 and a dotted line marks it."""
+    with ``start_loss``, every line starts from it at epoch 0 and a dotted line marks it.
+
+    Shown in lesson 09, §4."""
     fig = new_figure(6.5, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     for label, losses in curves.items():
