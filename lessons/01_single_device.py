@@ -62,10 +62,10 @@ devices.seed_everything(seed)
 #
 # The default data set, `shapes10`, is made from a seed when it is loaded: 32×32 colour
 # images in 10 classes (discs, rings, squares, stripes in four directions, ...), at random places,
-# sizes and colours, over noisy backgrounds. It has CIFAR-10's shape, so every line of this
-# course runs on CIFAR-10 too; unlike CIFAR-10 it needs no download and a small CNN learns it
-# within minutes on a CPU — which is what a course that re-runs every notebook on every change
-# needs.
+# sizes and colours, over noisy backgrounds. It has CIFAR-10's shape, so the lessons with a data
+# parameter (01, 04, 05, 06) run on CIFAR-10 too; unlike CIFAR-10 it needs no download and a
+# small CNN learns it within minutes on a CPU — which is what a course that re-runs every
+# notebook on every change needs.
 
 # %%
 ds = data.load(dataset, n_train=n_train, n_test=n_test, seed=seed)

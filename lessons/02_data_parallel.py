@@ -36,8 +36,8 @@
 #    there are two or more (a lone replica runs in the caller's thread; the threads of one
 #    process share its GIL, Python's *global interpreter lock*: only one of them runs Python
 #    code at a time — on the default CPython build, which this course runs ("Why it is
-#    slow" checks it); the optional free-threaded build, experimental in 3.13, supported
-#    from 3.14, has none);
+#    slow" checks it); the optional free-threaded build (3.13 on) has none unless an extension
+#    without `Py_mod_gil`, or `PYTHON_GIL=1`, switches it back on);
 # 4. **gather** the outputs on `output_device` (by default device 0, `device_ids[0]`, which
 #    holds the parameters), compute the loss
 #    there, and `backward()`: autograd carries the replicas' gradients back to the original
@@ -873,6 +873,10 @@ viz.quiz(quizzes.questions("02"))
 #   and after an autograd node runs in the backward (how `viz.record_dp_step` times each
 #   replica's backward, node by node); `torch/nn/modules/module.py` —
 #   `register_forward_pre_hook`, `register_forward_hook` (its forwards).
+#
+# Outside the installed packages: CPython's free-threading HOWTOs (docs.python.org/3/howto/,
+# `free-threading-extensions.html`, "Module Initialization", and `free-threading-python.html`):
+# importing an extension without `Py_mod_gil`, or `PYTHON_GIL=1`, enables the GIL at run time.
 
 # %% [markdown]
 # **▶ The sources of `parallel_apply`'s threads, of the broadcast's backward and of what

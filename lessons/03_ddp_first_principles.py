@@ -80,7 +80,7 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # Each process is a **rank** `0 … world_size−1`. To talk, they first meet at a **rendezvous**:
 # here a TCP **store** (a small key-value server through which the ranks swap the addresses
 # they need to connect) at `MASTER_ADDR:MASTER_PORT`, which rank 0 hosts under `spawn` (under
-# `torchrun`, by default, the launcher's agent hosts it and every rank connects as a client). The
+# `torchrun`, lesson 04's launcher, its agent process hosts it and every rank connects). The
 # **backend** is the library that moves the bytes: **gloo** (a collective communication library
 # from Meta, made for CPU tensors; it runs most collectives on GPU tensors too, slowly, through the
 # CPU's memory: the appendix finds which) or **nccl** (NVIDIA's
@@ -122,7 +122,8 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # A **collective** is an operation that *every* rank of the group calls, in the same order as the
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
 # once the result is in the tensor. With nccl it hands the work to the GPU and returns without
-# waiting for it to run; by default (`async_op=False`) later GPU work still runs after it.
+# waiting for it to run; by default (`async_op=False`; `True` returns a work handle to wait on:
+# § Buckets) later GPU work still runs after it.
 # NCCL runs a group's collectives over its *communicator*: the connections between the ranks'
 # GPUs. By default it forms it lazily, at the first collective (lesson 10 shows where that
 # matters).
@@ -524,7 +525,11 @@ claim("DDP's init_sync flag defaults to True", inspect.signature(
 # again when it has finished. Without a hook, DDP averages inside its C++ reducer instead
 # (how: "The reducer's arithmetic", after lab 03). A tensor hook on
 # every parameter stamps when its gradient is computed. We ask for buckets of 0.1 MiB
-# (102.4 KiB); the claims below measure the model against that cap.
+# (102.4 KiB) with `bucket_cap_mb`, one cap for every bucket (`bucket_cap_mb_list` would give
+# one per bucket); the claims below measure the model against that cap. Two DDP flags stay off
+# until the folded cells: `find_unused_parameters=True` has DDP look, after
+# each forward, for parameters that will get no gradient; `static_graph=True` promises that
+# every iteration uses the same parameters in the same way.
 
 # %%
 def bucket_worker(rank, world_size, bucket_cap_mb, model_fn, find_unused_parameters=False,
@@ -592,7 +597,7 @@ for it, seen in enumerate(runs[0]):
 first, second, third = runs[0]
 claim(f"the model ({model_bytes / 2**20:.2f} MiB) is larger than the bucket cap ({cap_mb} MiB)",
       model_bytes > cap_mb * 2**20)
-claim("iteration 0 (a single cap, bucket_cap_mb, not a per-bucket list; default flags): ONE "
+claim("iteration 0 (one bucket_cap_mb, no bucket_cap_mb_list; both flags off): ONE "
       "bucket holding all 10 parameters, whatever bucket_cap_mb",
       len(first["buckets"]) == 1 and len(first["buckets"][0][0]) == 10)
 claim("from iteration 1 on: several buckets, the same on every later iteration",
@@ -624,10 +629,9 @@ with viz.folded_output("▶ What each bucket holds — open after lab 07 part 1 
 # assignment is broadcast from rank 0), and the reducer launches buckets strictly in index
 # order; but *when* a bucket is ready can differ between ranks (folded below).
 #
-# **▶ Going further (lesson 07's ground): the hazard one bucket guards against, and two
-# constructor flags, `static_graph` and `find_unused_parameters`, that change the first
-# iterations** — folded below, the text and the cells behind it, with their claims. The rest
-# of this lesson does not need them.
+# **▶ Going further (lesson 07's ground): the hazard one bucket guards against, and how the
+# two flags change the first iterations** — folded below, with their claims. The rest of this
+# lesson does not need them.
 
 # %% [markdown]
 # <details><summary>▶ open: the one bucket's hazard, and the two flags</summary>
@@ -639,29 +643,17 @@ with viz.folded_output("▶ What each bucket holds — open after lab 07 part 1 
 # *different* collective on another rank — a hang or garbage. Hence a size limit of
 # `sys.maxsize`: one all-reduce, after every gradient of the graph is computed.
 #
-# Two of DDP's constructor flags bear on this, and the cells below check each:
+# The two flags (defined above) bear on this, and the cells below check each. With neither
+# flag, a parameter without a gradient is not supported at all. Unused on every rank, it is an
+# error (lesson 10, bug 9). Unused on some ranks only, the ranks no longer agree on when a
+# bucket is ready, so one can wait in an all-reduce that the other never launches.
 #
-# - `find_unused_parameters=True` says that some parameters may get no gradient in an
-#   iteration; DDP then looks for them from the forward's outputs, every iteration.
-# - `static_graph=True` is your promise that every iteration uses the same parameters in the
-#   same way, with no control flow that changes from one iteration to the next (its docstring).
-# - With neither flag, a parameter without a gradient is not supported at all. Unused on every
-#   rank, it is an error (lesson 10, bug 9). Unused on some ranks only, the ranks no longer
-#   agree on when a bucket is ready, so one can wait in an all-reduce that the other never
-#   launches.
-#
-# The code's condition for the one bucket does not match the comment's hazard, though: every
-# setting with `find_unused_parameters` off gets the one bucket, yet
-# `find_unused_parameters=True` without `static_graph` buckets by size from the start. The
-# comment says why; the claims below check when.
-#
-# Two settings bucket by size from the start, in the limits DDP computes for iteration 0
-# (`ddp.initial_bucket_limits` asks DDP's own `_BucketCapacityConfig`; `ddp.bucket_limits`
-# gives the cap in bytes):
+# The code's condition does not match that hazard, though. Two settings bucket by size from the
+# start, in the limits DDP computes for iteration 0 (`ddp.initial_bucket_limits` asks DDP's own
+# `_BucketCapacityConfig`; `ddp.bucket_limits` gives the cap in bytes):
 #
 # - `find_unused_parameters=True` without `static_graph`;
-# - explicit per-bucket limits (`bucket_cap_mb_list`, a constructor argument), whatever the
-#   flags.
+# - a `bucket_cap_mb_list`, whatever the flags.
 #
 # </details>
 
@@ -811,12 +803,12 @@ claim("a rebuilt bucket here is more than 4x its cap", largest > 4 * limit)
 
 # %% [markdown]
 # ### The overlap, on a timeline
-# Here are iterations 0 and 2 on rank 0, drawn from the time stamps the hooks recorded
-# (`viz.bucket_timelines_figure` only draws them). Each tick on a "gradients computed" row is a
-# gradient being computed (ticks a fraction of a millisecond apart merge into one); each bar is
-# one bucket, from DDP's call to the hook to the all-reduce's completion callback: a latency,
-# any wait before the transfer included, so bars can overlap. Labels give its index, not its
-# size or tensors (folded above). The axis ends when the slower backward returned.
+# Here are iterations 0 and 2 on rank 0, and `static_graph`'s warm iteration 1 (folded above),
+# drawn from the time stamps the hooks recorded (`viz.bucket_timelines_figure` only draws them).
+# Each tick on a "gradients computed" row is a gradient being computed; each bar is one bucket, from DDP's call to the hook to the
+# all-reduce's completion callback: a latency, any wait before the transfer included, so bars can
+# overlap. Labels give its index, not its size or tensors (folded above). The axis ends when the
+# slowest backward returned.
 
 # %%
 claim("iteration 0: its one bucket was launched only after the last gradient was computed",
@@ -825,13 +817,16 @@ claim("iteration 2: the first bucket's all-reduce started before the last gradie
       third["buckets"][0][2] < max(t for _, t in third["grads"]))
 viz.show(viz.bucket_timelines_figure({
     f"iteration 0: one bucket (rank 0, bucket_cap_mb={cap_mb} MiB)": first,
-    "iteration 2: the rebuilt buckets": third}),
+    "iteration 2: the rebuilt buckets": third,
+    "static_graph=True, iteration 1: one bucket, warm (another launch)": static_runs[0][1]}),
     "in iteration 0 the single bucket waits for the last gradient: nothing overlaps. In "
     "iteration 2 the first bucket (the classifier) is in flight while the convolutions' "
     "gradients are still being computed; on gloo backward() returns only when the last bucket is "
-    "done (on NCCL, once it is queued: the GPU stream waits for it, not Python). "
-    "A bar is a latency, not a transfer time: it includes waiting for the other rank and, "
-    "during the backward, sharing the cores with it (the next cell compares the rates).")
+    "done (on NCCL, once it is queued: the GPU stream waits for it, not Python). Iteration 0 "
+    "can also pay one-time costs before its last gradient, so the first two panels' lengths are "
+    "not overlap's saving: the fair control is the third panel's warm single bucket (the next "
+    "cell compares them). A bar is a latency, not a transfer time: it includes waiting for the "
+    "other rank and, during the backward, sharing the cores with it.")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -852,7 +847,8 @@ print(f"hook to callback, ms per MiB: {r0:.1f} for iteration 0's bucket, {r2:.1f
          else "not slower in this run."))
 last_grad = {k: max(t for _, t in it["grads"]) for k, it in (("0", first), ("2", third))}
 print(f"last gradient computed {last_grad['0']:.1f} ms after backward() began in iteration 0, "
-      f"{last_grad['2']:.1f} ms in iteration 2 (compute alone, before any overlap could help).")
+      f"{last_grad['2']:.1f} ms in iteration 2 (iteration 0's is compute alone; iteration 2's "
+      f"also carries the first buckets' all-reduces, on gloo's threads sharing the cores).")
 warm = static_runs[0][1]                # static_graph=True, iteration 1: one bucket, warm
 tail = {k: it["backward_end"] - max(t for _, t in it["grads"])
         for k, it in (("0", first), ("2", third), ("warm", warm))}
@@ -865,18 +861,19 @@ print(f"after the last gradient, backward() waited for communication {tail['0']:
          "need not save time."))
 
 # %% [markdown]
-# Read the cell above in two parts. The time until the last gradient is compute alone, and
-# iteration 0, the run's first backward, can pay one-time costs there (allocating its memory,
-# for one). The time *after* the last gradient is communication the backward could not hide:
-# in iteration 0 the whole model's all-reduce in one bucket; in iteration 2 only what the last
-# buckets still needed. Iteration 0's bucket is also its process's first all-reduce, so the fair no-overlap
-# control is `static_graph`'s iteration 1 (folded above: one bucket, warm, another launch). The
-# last line says whether iteration 2's tail beat it in this run (timed, one sample each: not
-# asserted). The overlap rests on the bucket's all-reduce being *asynchronous*: torch's
-# `allreduce_hook` (which our hook above calls) runs `dist.all_reduce(..., async_op=True)`,
-# and DDP's internal `_AllReduceBySumCommHook` (its path without a hook) likewise returns a
-# future from its `runHook`, so the backward goes on while a bucket is on the wire. Lesson 07
-# measures what overlap buys.
+# Read the cell above in two parts. The time until the last gradient is compute alone in
+# iteration 0, the run's first backward, which can pay one-time costs there (allocating its
+# memory, say). In iteration 2 it also carries the first buckets' all-reduces, on gloo's own
+# threads sharing the cores with the backward (NCCL runs them on a GPU stream of
+# their own). The time *after* the last gradient is communication the backward could not hide: in
+# iteration 0 the whole model in one bucket, also its process's first all-reduce; in iteration 2
+# only what the last buckets still needed. The fair no-overlap control is the figure's third
+# panel, warm. The last line says whether iteration 2's tail beat it in this run (timed, one
+# sample each: not asserted). The overlap rests on the bucket's all-reduce being *asynchronous*:
+# torch's `allreduce_hook` (our hook's) runs `dist.all_reduce(...,
+# async_op=True)`, and DDP's internal `_AllReduceBySumCommHook` (its path without a hook) likewise
+# returns a future from its `runHook`, so the backward goes on while a bucket is on the wire.
+# Lesson 07 measures what overlap buys.
 #
 # ### Buffers: rank 0's BatchNorm statistics, before a forward
 # A BatchNorm layer keeps a running mean and variance: every forward in training mode updates
@@ -1202,9 +1199,7 @@ claim("this torch's gloo can make its TCP transport and has no ibverbs one (libt
 #   not known yet; with `static_graph=True` the first two iterations do), unless
 #   `find_unused_parameters=True` without `static_graph`, or `bucket_cap_mb_list`; afterwards
 #   the buckets follow the order the gradients arrived, rank 0's assignment on every rank, and
-#   let communication overlap the backward (what that buys here, lesson 07 measures). With
-#   `static_graph=True`, an unused parameter's bucket is all-reduced from iteration 1 on
-#   although its gradient never came (the reducer marks it ready: lesson 07, section 6).
+#   let communication overlap the backward (what that buys, lesson 07 measures).
 # - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
 #   can end several times the cap; how DDP groups them is lesson 07's.
 # - Before the first forward, and before each forward whose previous forward ran with gradients
@@ -1268,7 +1263,10 @@ viz.quiz(quizzes.questions("03"))
 #   `class ProcessGroupNCCL`: "All NCCL functions provided by this class are asynchronous
 #   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or
 #   `WorkNCCL::synchronize()`, both achieves the same functionality"; `synchronize`: "Let
-#   current stream wait on the completion of the NCCL work").
+#   current stream wait on the completion of the NCCL work"); `ncclStreams_` ("The CUDA streams
+#   used by NCCL kernels").
+# - `torch/include/torch/csrc/distributed/c10d/ProcessGroupGloo.hpp` — `Options::threads{2}`;
+#   `enqueue` ("Queue work to run on worker thread") and `runLoop`: gloo's own threads.
 # - `torch/include/ATen/core/ivalue_inl.h` — `Future::wait()`: waits for `completed_`, then
 #   `synchronizeWithCurrentStreams()`, which makes the current streams wait on the future's
 #   events (`event.block`); the reducer's `finalize_backward` calls `wait()` on each bucket's

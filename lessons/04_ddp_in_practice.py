@@ -171,7 +171,7 @@ claim(f"{len(hook)} of the {len(added)} '+' lines are section 3's crash hook (--
 # <fingerprint>` (`dp.state_checksum`, folded below: 16 hex digits of a SHA-256 of every
 # state_dict tensor's name, dtype and bytes). The two fingerprints below differ, because the two runs add the same numbers
 # in another order; the cell after prints the largest weight difference. Here both scripts'
-# `main` runs in ranks started by `launch.spawn` (faster: no agent), with only the
+# `main` runs in ranks started by `launch.spawn` (faster: no agent), which sets only the
 # variables the script needs (folded below); sections 2 and 3 use torchrun.
 
 
@@ -1295,8 +1295,9 @@ viz.show(fig, "plain BatchNorm's gradient error falls as the per-rank batch grow
 # A collective that ranks call with different shapes is a bug that can hang, crash, or silently
 # compute garbage. With `TORCH_DISTRIBUTED_DEBUG=DETAIL` each collective is first checked across
 # ranks, and the mismatch becomes a clear error. (The variable is read when torch.distributed is
-# imported, so in a worker that is already running we call `dist.set_debug_level` — in a script,
-# export the variable before launching.) For NCCL, `NCCL_DEBUG=INFO` prints its set-up and
+# imported, and the check is built into each process group as it is created, so a running worker
+# calls `dist.set_debug_level` before `init_process_group` or `new_group`; a script exports the
+# variable before launching.) For NCCL, `NCCL_DEBUG=INFO` prints its set-up and
 # errors. For NCCL hangs (not run here), `TORCH_NCCL_TRACE_BUFFER_SIZE=2000` and
 # `TORCH_NCCL_DUMP_ON_TIMEOUT=1` make each rank record its last 2000 collectives and dump them
 # on a timeout (the **flight recorder**); `python -m torch.distributed.flight_recorder.fr_trace
@@ -1729,8 +1730,10 @@ viz.quiz(quizzes.questions("04"))
 #   `barrier` (the "using the device under current context" warning; lines 6340-6357: without
 #   `device_ids` or a bound device, a GPU group gets the current device; its docstring's note lists
 #   the fallbacks after those: the device a collective with tensor inputs first used, then the
-#   global rank mod the local device count), `destroy_process_group`. NCCL's device per
-#   collective: `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` —
+#   global rank mod the local device count), `destroy_process_group`;
+#   `_new_process_group_helper` wraps a new group in `_create_process_group_wrapper` (the
+#   collective check) only if `get_debug_level()` is DETAIL then (lines 2887-2910). NCCL's
+#   device per collective: `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` —
 #   `usedDeviceIdxs_` ("Device Indexes used for all collectives in this group"), `guessDeviceId`.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__`: pads the indices to a
 #   multiple of `num_replicas` by appending the first ones (`indices += indices[:padding_size]`),

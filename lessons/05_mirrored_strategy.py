@@ -381,29 +381,36 @@ claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all
 # *Lab 05 builds on this part: read it before the lab.*
 #
 # What if one replica skips the call? TF's docstring of `all_reduce` says the operation then
-# "hangs". **Merge calls** explain why, under `MirroredStrategy` on this profile, it does not:
-# the replica context's `all_reduce` goes through one (`ReplicaContextBase.all_reduce`), and so
-# does Keras' `apply_gradients`, which calls that `all_reduce`; `strategy.reduce` needs none,
-# since it already runs in the cross-replica context. In a `tf.function` a merge call runs while TF traces; eagerly, at each call.
+# "hangs"; on this profile it fails instead. Eagerly, `strategy.run` raises a `RuntimeError`; in
+# a `tf.function` — as every training step of this lesson runs — a call that only some replicas
+# make (under an `if` on the replica id) is refused while TF traces, before the step ever runs.
+# A traced loop *around* `strategy.run` is fine. So every replica makes the call, in the same
+# order. The two cells below run both: replica 0 returns before the call, eagerly first.
+
+# %% [markdown]
+# <details><summary>▶ Inside tf.distribute: merge calls</summary>
 #
-# A merge call is checked in two ways, depending on how the step runs (read in
-# `mirrored_run.py`, Sources). **Eagerly**, `strategy.run` counts each replica's merge calls —
-# when some replicas finish while others still wait in one, it raises a `RuntimeError`
-# ("different number of … merge_call() calls"). **In a `tf.function`** — as every training step
-# of this lesson runs — the `if` on the replica id becomes a `tf.cond` whose branches are traced
-# as graphs of their own, and a merge call made inside such a branch raises a different
-# `RuntimeError` while TF traces ("`merge_call` called while defining a new graph … control flow
-# statement which contains a synchronization point"): the step is refused before it ever runs.
-# A loop *around* `strategy.run` is no such branch: in a traced `for batch in dist_dataset:`,
-# `strategy.run` and its merge calls share the loop body's graph, so `apply_gradients` or an
-# `all_reduce` in the replica function works there.
-# The two cells below run both. By the source alone (no cell of this lesson runs it): a hang is
-# what you get where no merge call checks the replicas — a step compiled with XLA (TensorFlow's
-# compiler, `tf.function(jit_compile=True)`) on all-GPU devices, where `_use_merge_call` is
-# false; and across the processes of `MultiWorkerMirroredStrategy` (section 9): it makes merge
-# calls by the same rule, but each process counts only its own replicas, so a replica missing in
+# **Merge calls** explain why, under `MirroredStrategy` on this profile, it does not hang: the
+# replica context's `all_reduce` goes through one (`ReplicaContextBase.all_reduce`), and so
+# does Keras' `apply_gradients` (through that `all_reduce`); `strategy.reduce` needs none,
+# since it already runs in the cross-replica context.
+#
+# Read in `mirrored_run.py` (Sources): **eagerly**, `strategy.run` counts each replica's merge
+# calls — when some replicas finish while others still wait in one, it raises a `RuntimeError`
+# ("different number of … merge_call() calls"). **In a `tf.function`** the `if` on the replica
+# id becomes a `tf.cond` whose branches are traced as graphs of their own, and a merge call
+# inside such a branch raises another ("`merge_call` called while defining a new graph …
+# control flow statement which contains a synchronization point"). A traced loop around
+# `strategy.run` is no such branch: its merge calls share the loop body's graph.
+#
+# By the source alone (no cell of this lesson runs it), a hang is what you get where no merge
+# call checks the replicas: a step compiled with XLA (TensorFlow's compiler,
+# `tf.function(jit_compile=True)`) on all-GPU devices, where `_use_merge_call` is false; and
+# across the processes of `MultiWorkerMirroredStrategy` (section 9), which makes merge calls by
+# the same rule, but each process counts only its own replicas, so a replica missing in
 # *another* process leaves this one's collective waiting.
-# Here replica 0 returns before the call, eagerly first:
+#
+# </details>
 
 # %%
 def replica_0_skips_the_all_reduce():
@@ -617,7 +624,7 @@ viz.show_code(mirrored.keras_loss_per_replica,
               folded="▶ code: mirrored.keras_loss_per_replica")
 
 # %% [markdown]
-# <details><summary>▶ The seven pairings: per-replica loss × how gradients combine (part of lab 05 part 1's answer) — open after your lab passes</summary>
+# <details><summary>▶ The seven pairings: per-replica loss × how gradients combine (its second row and the note under the table on unequal slices are part of lab 05 part 1's answer) — open after your lab passes</summary>
 #
 # The classic mistake is `tf.reduce_mean` per replica: each replica divides by *its own*
 # batch (global / N), and the strategy then **sums** N such gradients — the gradient is **N times
@@ -1137,7 +1144,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # |---|---|---|
 # | who runs the replicas | N processes, one per device (`spawn`/`torchrun`) | one process, N replicas (`strategy.run`); N processes with MultiWorkerMirroredStrategy |
 # | where the model is copied | each rank builds it; DDP broadcasts rank 0's weights | `MirroredVariable`s created under `strategy.scope()` |
-# | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split; `distribute_datasets_from_function`: each input pipeline feeds its replicas |
+# | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split over the replicas; across workers each worker's copy of the pipeline is first auto-sharded (`AutoShardPolicy`: by files, else by elements: each worker reads everything and keeps 1/W); `distribute_datasets_from_function`: each input pipeline feeds its replicas |
 # | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; for `distribute_datasets_from_function`: lab 05's stretch A |
 # | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`, after the backward: by default, in a `tf.function`, all gradients packed into one collective all-reduce (`CommunicationOptions(bytes_per_pack=...)` splits it into packs; `ReductionToOneDevice` if you ask) |
 # | so the loss must be | the rank's mean (`reduce_mean` semantics) | scaled so that the replicas' SUM is one device's gradient (for full steps ÷ `global_batch`, §5's table; any step: lab 05 part 1) |
@@ -1297,7 +1304,7 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — under `TENSORFLOW_USE_MKLDNN_CONTRACTION_KERNEL` Eigen's float contractions (matrix products, convolutions) can call oneDNN's `dnnl_sgemm`; `UseCustomContractionKernels()` decides at run time ("a runtime check, that uses environment variables"); `tensorflow/libtensorflow_cc.so.2` contains that symbol.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce`: called inside `strategy.run`, every replica passes a value of the same shape and gets back the combination of all of them; all replicas must make the call, in the same order.
 # - `tensorflow/python/distribute/distribute_lib.py` — `InputContext`: `num_input_pipelines`, `input_pipeline_id`; `Strategy.distribute_datasets_from_function`: `dataset_fn` is called on each worker's CPU, one input pipeline per worker.
-# - `tensorflow/python/data/ops/options.py` — `OptimizationOptions.inject_prefetch` and `map_parallelization` both "default to True": a prefetch after the final `batch`, and a parallel `map`.
+# - `tensorflow/python/data/ops/options.py` — `OptimizationOptions.inject_prefetch` and `map_parallelization` both "default to True": a prefetch after the final `batch`, and a parallel `map`; `AutoShardPolicy`: AUTO "Attempts FILE-based sharding, falling back to DATA-based sharding"; DATA: "Each worker will process the whole dataset and discard the portion that is not for itself".
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.reduce` requires the cross-replica context (`_require_cross_replica_or_default_context_extended`) and calls `_reduce` → `reduce_to`, no merge call.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values; `tensorflow/python/distribute/mirrored_run.py` — `_MirroredReplicaContext._merge_call` records whether it was entered eagerly (`merge_call_entered_in_eager`), and `_call_for_each_replica` runs the merge function eagerly when it was entered eagerly (at each call), in the graph being traced otherwise.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.replica_id_in_sync_group`: "Returns: a `Tensor`" (an int32 constant); `tensorflow/python/autograph/operators/control_flow.py` — `if_stmt`: in a `tf.function`, an `if` on a tensor is staged as a `tf.cond` (`_tf_if_stmt`).
@@ -1331,7 +1338,7 @@ viz.quiz(quizzes.questions("05"))
 #
 # #### Sources (lab 05's answers)
 #
-# - `tensorflow/python/distribute/input_lib.py` — `DistributedDataset._make_rebatch_fn`: each global batch is cut into one batch per replica (`dataset.rebatch` with `batch_sizes_for_worker`, or `_LegacyRebatchDataset` in `tensorflow/python/data/experimental/ops/distribute.py`, whose docstring shows a replica getting `[]`); `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: one thread per replica, each calling the function.
+# - `tensorflow/python/distribute/input_lib.py` — `DistributedDataset._make_rebatch_fn`: each global batch is cut into one batch per replica (`dataset.rebatch` with `batch_sizes_for_worker`, or `_LegacyRebatchDataset` in `tensorflow/python/data/experimental/ops/distribute.py`, whose docstring shows a replica getting `[]`); `DistributedDataset._create_cloned_datasets_from_dataset`: each worker's copy, rebatched, goes through `input_ops.auto_shard_dataset`; `tensorflow/python/distribute/mirrored_run.py` — `_call_for_each_replica`: one thread per replica, each calling the function.
 # - `keras/src/losses/loss.py` — `reduce_values` (lines 140-161): a value whose static shape is `(0,)` or `()` is returned unreduced and unscaled (traced with an unknown batch dimension, an empty value is summed and divided with `divide_no_nan`: 0.0).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer._make_function`: `fit`'s `multi_step_on_iterator` calls `iterator.get_next()` inside a `tf.function(..., reduce_retracing=True)`, so the step is traced with the dataset's element spec (a batch dimension of `None` where the last batch may be short), and `one_step_on_data` is a `tf.function` with `reduce_retracing=True` too.
 # - `keras/src/optimizers/base_optimizer.py` — `BaseOptimizer.__init__` and `BaseOptimizer.build`: which variables each creates (the part-2 fold's claim); `build` adds only per-weight ones (EMA averages, accumulated gradients).

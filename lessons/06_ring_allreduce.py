@@ -173,8 +173,9 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #   all-gather by *recursive doubling*, the same rounds backwards. A worker sends (p−1)K/p in
 #   each phase, 2(p−1)K/p in all — the ring's bytes — in 2log₂p steps, the tree's count. For
 #   other N, the N − p workers above the largest power of two p first hand their whole array to
-#   a partner and get the result back: one more K-byte step at each end. MPICH's code runs the
-#   same exchanges nearest partner first (1, 2, 4, … apart) and folds the even ranks below
+#   a partner and get the result back: one more K-byte step at each end. MPICH's code runs its
+#   reduce-scatter nearest partner first (1, 2, 4, … apart) and its all-gather in the reverse
+#   order, and folds the even ranks below
 #   2(N − p) onto rank + 1: the same cost in the model.
 #
 # A step is one message per link, so α is a message's cost, except at the server: its link
@@ -221,7 +222,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # naive way, the ring and the tree checked below). Real parameter servers shard: TF's
 # `ParameterServerStrategy` puts whole variables on its S servers round robin (splitting one
 # only with a `variable_partitioner`), so about NK/S per link when the variables are many and
-# alike; with a shard on every worker, each sends K/N to each of the N − 1 others twice:
+# alike (it trains asynchronously by default, lesson 09; the NK/S per link is a synchronous
+# server's); with a shard on every worker, each sends K/N to each of the N − 1 others twice:
 # 2(N−1)K/N, the ring's bytes (arithmetic). With an illustrative α = 10 µs and 10 GB/s links,
 # 100 MB on 8 workers:
 
@@ -669,8 +671,8 @@ claim("the explorer's figure is drawn with the α and β fitted and printed in �
 #
 # A ring's messages are *point-to-point*: one rank to one other, not a collective every rank
 # joins. `torch.distributed` has two kinds. Blocking: `dist.send(tensor, dst)` returns once the
-# message has gone (it is `isend` followed by `wait()`; on gloo that can mean waiting until the
-# receiver has posted its `recv`, Sources), and `dist.recv(buffer, src)` returns once it has
+# message has gone (it is `isend` followed by `wait()`; on gloo that always means waiting until
+# the receiver has posted its `recv`, Sources), and `dist.recv(buffer, src)` returns once it has
 # arrived. `recv` allocates nothing: it fills the tensor you pass, so you allocate
 # one of the sender's size and dtype first. Non-blocking: `dist.isend` and `dist.irecv` return
 # at once with a *work* object; its `wait()` returns when the message has gone or arrived, and
@@ -892,7 +894,8 @@ for n in fit_world_sizes:
                                               for v, sizes in by_verdict.items()) + ".")
 wins = [(n, k) for (n, k), v in verdicts.items() if v == "the ring was faster" and k >= 2**18]
 if wins:
-    print(f"Ours was faster at {', '.join(f'{bench.format_size(k)} ({n} ranks)' for n, k in wins)}."
+    print("From 256 KiB up, ours was faster at "
+          f"{', '.join(f'{bench.format_size(k)} ({n} ranks)' for n, k in wins)}."
           " This run does not isolate why.")
 else:
     print("This run: ours was not clearly faster at any size from 256 KiB up.")
@@ -1111,7 +1114,7 @@ viz.quiz(quizzes.questions("06"))
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel`: gradients grouped in buckets (`bucket_cap_mb`), one all-reduce per bucket.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: "Apply the division first", `tensor.div_(group_to_use.size())` before the all-reduce (DDP's default behaviour in Python form).
 # - `torch/include/torch/csrc/distributed/c10d/gloo/ProcessGroupGlooDetail.hpp` — `AsyncAllreduceWork::allreduce`, torch's gloo all-reduce: it fills a `gloo::AllreduceOptions` without choosing an algorithm (no `setAlgorithm`) and calls `gloo::allreduce`, so gloo runs its default (`gloo/allreduce.cc` below).
-# - `tensorflow/python/distribute/parameter_server_strategy_v2.py` — `ParameterServerStrategyV2` (its docstring: variables made in its scope are "placed on parameter servers in a round-robin manner", or sharded across them with a `variable_partitioner`); `ParameterServerStrategyV2Extended._create_variable_round_robin`.
+# - `tensorflow/python/distribute/parameter_server_strategy_v2.py` — `ParameterServerStrategyV2` (its docstring: variables made in its scope are "placed on parameter servers in a round-robin manner", or sharded across them with a `variable_partitioner`; and "By default, workers read and update these variables independently without synchronizing with each other. Under this configuration, it is known as asynchronous training."); `ParameterServerStrategyV2Extended._create_variable_round_robin`.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._batch_reduce_to` and `_make_collective_ops_with_fallbacks`: a step's gradients go to the cross-device ops in one batched call; by default `CollectiveAllReduce` with `RING` on CPUs.
 #
 # Public documents (not in the installed files):
@@ -1122,5 +1125,5 @@ viz.quiz(quizzes.questions("06"))
 # - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/search.cc` — `ncclTopoSearchRecNet` (line 736: the search for a new channel tries the NICs from `nets[(graph->nChannels + i) % netCount]`, the next NIC for each new ring; a NIC is skipped when less than a channel's bandwidth is left on it, line 739, and each channel placed on it takes that much, lines 747-751); `src/graph/tuning.cc` — the tuner's bandwidth for a ring over more than two servers (line 306: `bw = bwInter`, the per-channel network bandwidth; line 324: `busBw = nChannels * bw`) and its latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
 # - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 287-295: each received segment is added into the output on the rank's CPU, `reduceInputs` and `opts.reduce`, inside the loop; lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded bullet above this list); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, partners p/2 apart first; the extra step for N not a power of two) and their α-β costs; recursive doubling, lg p(α + nβ + nγ), MPICH's all-reduce for short messages; γ, the time per byte of the reduction's arithmetic.
-# - MPICH's source (github.com/pmodels/mpich), `src/mpi/coll/allreduce/allreduce_intra_reduce_scatter_allgather.c`, `MPIR_Allreduce_intra_reduce_scatter_allgather` ("Rabenseifner's Algorithm"): halving from distance 1 (`mask = 0x1`, doubled each round); even ranks below 2·rem send to rank + 1.
+# - MPICH's source (github.com/pmodels/mpich), `src/mpi/coll/allreduce/allreduce_intra_reduce_scatter_allgather.c`, `MPIR_Allreduce_intra_reduce_scatter_allgather` ("Rabenseifner's Algorithm"): halving from distance 1 (`mask = 0x1`, doubled each round), then the all-gather back from distance pof2/2 (`mask >>= 1`, halved each round); even ranks below 2·rem send to rank + 1.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth; its cost model adds γ per byte for the additions.

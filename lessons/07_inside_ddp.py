@@ -442,12 +442,13 @@ viz.show(viz.reducer_figure(),
 
 # %% [markdown]
 # ## 4. Measuring the overlap on a CPU — and predicting it
-# **What to expect.** The runs come first, because the model takes its compute times from
-# their `local` control; then the model; then its clean test, "When the wire takes (almost) no
-# CPU" (a simulated network using almost no CPU), the experiment that shows overlap; and last
-# the messy case, these runs' gloo all-reduces held against the model ("Back to the real
-# wire"). Those break its assumptions: they run on the cores that run the backward (the setup
-# cell printed how many), so they may show no clear gain and times off the prediction — this
+# **The result, first.** Overlap can save at most **min(B, C − C_last)**: B the backward, C
+# all the all-reduces, C_last the last bucket's, which cannot start before the backward ends.
+# The clean test, "When the wire takes (almost) no CPU" (a simulated network), prints the
+# model's predicted saving beside the measured one. Before it come the runs (the model takes
+# its compute times from their `local` control) and the model; after it, the messy case
+# ("Back to the real wire"): gloo's all-reduces run on the backward's cores (the setup cell
+# printed how many), so they may show no clear gain and times off the prediction — this
 # machine's wire, not overlap failing.
 #
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
@@ -573,9 +574,8 @@ claim(f"real DDP (no hook): the profiler saw {ddp_run['collectives_per_step']} a
 # 2(N−1)α + 2(N−1)/N · Kβ (K its bytes) + optimizer step. Write **B** for the backward as the
 # run does it (the hooks' copies into the buckets included: they run inside it), **C** for
 # all the all-reduces and **C_last** for the last bucket's: overlap saves at most
-# **min(B, C − C_last)** — what fits under the backward, and never the last bucket, complete
-# only when the backward ends. Below, C is the α-β model's; measured all-reduces can take
-# longer and save more.
+# **min(B, C − C_last)**, what fits under the backward. Below, C is the α-β model's; measured
+# all-reduces can take longer and save more.
 
 # %%
 viz.show_code(overlap.predict_step)
@@ -800,7 +800,7 @@ def paired(r, part):  # ms, overlapped minus control, median of the paired round
 
 bound_run = min(run["control"]["backward"], left["control"] - c_last)
 saved = -paired(off_cpu, "step")
-saved_bw = -paired(off_cpu, "backward + wait")   # the part the model predicts: it has no forward
+saved_bw = -paired(off_cpu, "backward + wait")   # what the model predicts (given no forward)
 d_fwd, d_bwd, d_cal = paired(off_cpu, "forward"), paired(off_cpu, "backward"), paired(
     calibration, "backward")
 noise = max(abs(d_fwd), abs(d_cal))   # this run's noise: two differences with no wire in them
@@ -834,11 +834,10 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 # Once the communication takes (almost) no CPU, the messages go on the wire under the backward
 # (the first claim above); the verdict above says whether the whole step was clearly faster,
 # and the backward's paired differences (this run's, and the calibration's as its noise)
-# whether the compute stayed undisturbed, as the model assumes. The rounds' own backward can
-# differ from the calibration's, which set the wire's speed, and B / C with it: so the
-# model's test is its prediction from the rounds' own backward against the measured saving in
-# backward + wait (it has no forward), agreeing only if the gap is within this run's noise,
-# the larger of the forwards' and the calibration's backwards' paired differences.
+# whether the compute stayed undisturbed, as the model assumes. The model's test uses the
+# rounds' own backward (B / C can differ from the calibration's) and the measured saving in
+# backward + wait, since the model is given no forward. They agree if the gap is within this
+# run's noise: the larger paired difference of the forwards or the calibration's backwards.
 #
 # The bound also says **when** overlap can pay: once the **compute-to-communication ratio
 # B / C is about 1 or more**, it *can* hide all but the last bucket; how much it does depends
@@ -889,7 +888,6 @@ for r in model_rows:
           f"{r['predicted_after_ms'] - r['predicted_ms']:5.1f} ms (model's bound {r['bound_ms']:.1f}); "
           f"measured, overlapped against its control: {verdict(run, control)}")
 saving = [r["predicted_after_ms"] - r["predicted_ms"] for r in model_rows]
-top = model_rows[saving.index(max(saving))]      # the cap with the largest predicted saving
 r4 = model_rows[sweep_caps.index(4)]
 print(f"Compute-to-communication ratio, 4 MiB buckets: B = backward {parts['backward']:.1f} ms + "
       f"the hooks' copies {r4['B_ms'] - parts['backward']:.1f} ms, C = {r4['C_ms']:.1f} ms "
@@ -905,26 +903,19 @@ yard = zip(*(by[("bucketed", c)]["steps_s"]["step"] for c in (25, math.inf)))  #
 noise_ms = statistics.median(abs(a - b) * 1e3 for a, b in yard)                 # the noise floor
 # The paragraph is written from this run's numbers, which change from run to run.
 display(Markdown(
-    f"**What this run says.** The model predicted that overlap would save {min(saving):.1f} to "
-    f"{max(saving):.1f} ms, up to {max(saving) / top['predicted_after_ms']:.0%} of that cap's "
-    f"step (at {cap_label(top['bucket_cap_mb'])}). Measured against "
-    f"its control, overlap clearly saved time at {', '.join(paid) or 'no cap'}, clearly cost "
-    f"time at {', '.join(cost) or 'no cap'}, and made no clear difference at the other "
-    f"{len(model_rows) - len(paid) - len(cost)} caps"
+    f"**What this run says.** Against its control, overlap clearly saved time at "
+    f"{', '.join(paid) or 'no cap'}, clearly cost time at {', '.join(cost) or 'no cap'}, and "
+    f"made no clear difference at the other {len(model_rows) - len(paid) - len(cost)} caps"
     f"{'' if yardstick_ok else ' (weak: identical work got a clear verdict too, above)'}. "
-    f"With the 4 MiB buckets' all-reduces in "
-    f"flight beside it the backward took {slowed:.1f} ms against {parts['backward']:.1f} ms "
-    f"alone (medians; {r4['B_ms'] - parts['backward']:.1f} ms of it the hooks' copies): backward "
-    f"against backward, {verdict(by[('bucketed', 4)], local, 'backward')}. The model assumes "
-    f"overlap leaves the backward unchanged, with no term for gloo and the backward sharing the "
-    f"cores (why that matters, below). The noise floor: identical work (25 MiB, one "
-    f"bucket) differed by {noise_ms:.1f} ms in a typical round (median of |paired difference|), more "
-    f"than the predicted saving at {sum(0 < v < noise_ms for v in saving)} of the "
-    f"{sum(v > 0 for v in saving)} caps where the model predicts one. Where no run against its "
-    f"control has a clear verdict, this run cannot tell overlap's effect from noise. The "
-    f"machine's limit: {os.cpu_count()} cores for {world_size} ranks' backwards and gloo threads: real "
-    f"communication takes the backward's cores and never tests the model cleanly here; only the "
-    f"sleeping wire above, using no core, does. No GPU run is stored."))
+    f"With the 4 MiB buckets' all-reduces in flight the backward took {slowed:.1f} ms against "
+    f"{parts['backward']:.1f} ms alone (medians; {r4['B_ms'] - parts['backward']:.1f} ms of it "
+    f"the hooks' copies); backward against backward, "
+    f"{verdict(by[('bucketed', 4)], local, 'backward')}. The model assumes it unchanged. "
+    f"Identical work (25 MiB, one bucket) differed by {noise_ms:.1f} ms in a typical round (the "
+    f"noise floor), more than the predicted saving at {sum(0 < v < noise_ms for v in saving)} of "
+    f"the {sum(v > 0 for v in saving)} caps where the model predicts one. With {os.cpu_count()} "
+    f"cores for {world_size} ranks' backwards and gloo threads, only the sleeping wire above "
+    f"tests the model cleanly. No GPU run is stored."))
 
 # %% [markdown]
 # ### The timeline
@@ -980,9 +971,9 @@ print(f"at most {in_flight} all-reduces were in flight at the same moment")
 # Why can a bar be longer than lesson 06's α-β cost of its bucket, and several run at once?
 # Three things on this machine, none of them in the model:
 #
-# - **gloo's 2 worker threads** (section 4's model): 2 per gloo device, one device unless
-#   `GLOO_SOCKET_IFNAME` names several (read in the source, *not run here*; each thread runs
-#   `runLoop`). Each rank has up to three busy threads — the backward and two gloo workers —
+# - **gloo's 2 worker threads** per gloo device (one device unless `GLOO_SOCKET_IFNAME` names
+#   several; read in the source, *not run here*; each runs `runLoop`) let two all-reduces be in
+#   flight at once; section 4's model leaves that out. Each rank has up to three busy threads — the backward and two gloo workers —
 #   on the cores both ranks share: with fewer cores than busy threads, each all-reduce takes
 #   longer than alone, and so does the backward.
 # - **The "done" stamp is Python**: a Python callback appends the time once the all-reduce
@@ -1119,6 +1110,14 @@ pp, pp_after, ab = (by[(k, 25)] for k in ("per_parameter", "per_parameter_after"
                                             "after_backward"))
 print(f"Overlap alone: the per-parameter hooks against the same asynchronous messages "
       f"launched after the backward (their control): {verdict(pp, pp_after)}.")
+pp_way = compare(pp, pp_after)[0]   # the sentence follows this run's verdict
+print("So here the per-parameter hooks " + {
+    1: "were slower than their control: gloo's worker threads share the backward's cores here "
+       "(the bullets after the timeline), so messages in flight slow the backward down",
+    -1: "beat their control: their all-reduces ran under the backward",
+    0: "could not be told from their control: overlap hides messages only where they leave the "
+       "backward its cores, and gloo's worker threads share them (the bullets after the timeline)"
+}[pp_way] + ("." if yardstick_ok or not pp_way else " (weak: see the yardstick check)."))
 print(f"Asynchrony alone: blocking all-reduces one at a time after the backward against that "
       f"control: {verdict(ab, pp_after)}.")
 print(f"Our bucketed class against DDP (one bucket each): "

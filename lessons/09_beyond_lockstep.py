@@ -12,8 +12,8 @@
 #   node;
 # - explain what asynchronous training buys (no waiting for stragglers, slow workers: timed
 #   here against the synchronous server) and what it costs (stale gradients, computed on
-#   weights some updates old), and measure when staleness makes training diverge (here: end
-#   above its starting loss) and how a smaller step, or one divided by that age, rescues it;
+#   weights some updates old), and measure when staleness makes a run end above its starting
+#   loss and how a smaller step, or one divided by that age, rescues it;
 # - use local SGD to divide communication by H, measure how far the replicas drift between
 #   averages, and say what it cost here, in test loss and in accuracy;
 # - apply the linear scaling rule and warmup to a larger global batch, and read the result
@@ -138,15 +138,18 @@ claim(f"synchronous parameter server == torch DDP after {cfg.steps} steps, on ev
 # %% [markdown]
 # Traffic. Every step the server sends the K weights to each worker and receives K gradient
 # numbers from each: NK sent and NK received, **2NK through the server**. A ring rank (lesson
-# 06) sends 2(N−1)K/N and receives as much. In bytes (sent against sent), the server moves
-# **N²/(2(N−1))** times a ring rank's (printed below), about N/2 for large N. In time, priced
-# by lesson 06's `ring.cost` at α = 0 (computed below, not timed), twice
-# that *for a server like ours, the whole model one message*: a ring rank sends while it
-# receives, 2(N−1)K/N·β; our server sends NK out, *then* takes NK in, 2NKβ, **N²/(N−1)**
-# times the ring's. With α > 0 the two models differ: `cost` charges the server 2
-# α terms, our serial server pays 2N (table). Over the whole cluster the
-# two send about the same (2NK against 2(N−1)K elements); the difference is *where*: one
-# server funnels it all through one network card. Production parameter servers avoid that
+# 06) sends 2(N−1)K/N and receives as much.
+#
+# 1. *Bytes* (sent against sent): the server moves **N²/(2(N−1))** times a ring rank's
+#    (printed below), about N/2 for large N.
+# 2. *Time*, by lesson 06's `ring.cost` at α = 0 (computed below, not timed): a ring rank
+#    sends while it receives, 2(N−1)K/N·β; our server, the whole model one message, sends NK
+#    out, *then* takes NK in, 2NKβ: **N²/(N−1)** times the ring's, twice the byte ratio.
+# 3. *α terms*: `cost` charges the server 2, our serial server pays 2N (table).
+#
+# Over the whole cluster the two send about the same (2NK against 2(N−1)K elements); the
+# difference is *where*: one server funnels it all through one network card. Production
+# parameter servers avoid that
 # (Li et al., OSDI 2014; BytePS, Jiang et al., OSDI 2020). Per step, for the busiest node
 # (it receives as much as it sends); α terms count messages one after another, and the
 # network column says what the β term needs:
@@ -248,9 +251,8 @@ claim("and it trained: the test loss fell",
 # gain could be smaller. Each mode gets the same **1 second of wall-clock time** to start work
 # in (what is in flight then still lands: both end a little later, in the folded output
 # below). Synchronous, every round waits for the straggler; asynchronous, the fast
-# worker pulls, computes and pushes on its own. Each worker records when it computes and when
-# it waits (for the server's next message); the straggler's sleep is a span of its own (pink
-# in the timeline), apart from its computing.
+# worker pulls, computes and pushes on its own. Each worker records when it computes, when it
+# waits (for the server's next message) and, the straggler, when it sleeps (pink below).
 # `straggler_race` (last below) runs both modes from the same weights `w0`, each timed from
 # a barrier, and evaluates their test losses.
 
@@ -275,10 +277,13 @@ waited = {m: {w: sum(b - a for kind, a, b in race[w][m]["spans"] if kind == "wai
 # Why: how many gradients fit in the budget depends on this machine's speed and load.
 print(f"asynchronous / synchronous gradients applied in the same {race_cfg.budget:g} s: "
       f"{applied['async'] / applied['sync']:.1f}× ({applied['async']} against {applied['sync']})")
+print(f"\nin {race_cfg.budget:g} s, from a test loss of {race[0]['loss_before']:.3f}; waited: "
+      "the share of its time")
+print("mode    applied  test loss  fast worker waited  straggler waited")
 for m in ("sync", "async"):
-    print(f"{m:>5}: {applied[m]:>4} gradients applied in {race_cfg.budget:g} s; test loss "
-          f"{race[0][m]['loss']:.3f} (from {race[0]['loss_before']:.3f}); the fast worker "
-          f"waited {waited[m][1]:.0%} of its time, the straggler {waited[m][2]:.0%}")
+    print(f"{m:<7}{applied[m]:>8}{race[0][m]['loss']:>11.3f}{waited[m][1]:>20.0%}"
+          f"{waited[m][2]:>18.0%}")
+print()
 fast = race[1]["async"]["spans"]
 compute_ms = [1e3 * (b - a) for kind, a, b in fast if kind == "compute"]
 wait_ms = [1e3 * (b - a) for kind, a, b in fast if kind == "wait"][1:]  # after each push
@@ -376,11 +381,10 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # diverge — the question the rest of this section answers. The fast worker's
 # typical wait (the median, printed above) is an upper bound on the round trip itself (2K
 # numbers through gloo and the server's step). The spans record when the worker
-# waited, not why: the run cannot tell a descheduled server from a descheduled worker or
-# another program.
+# waited, not why (a descheduled server, worker or other program).
 #
-# The staleness printed above changes from run to run: it is decided by which process the
-# operating system runs first. To study its effect we need it under control.
+# The staleness printed above changes from run to run (the OS decides which process runs
+# first); to study its effect we need it under control.
 #
 # ## 2. Staleness, controlled
 # A simulator in one process, without threads: a server with `pull()` and `push(grad,
@@ -425,10 +429,10 @@ claim(f"τ = 0 is synchronous SGD exactly: the same weights after {sim_steps} st
 # Now the sweep: every τ at every learning rate, the same batches, the same budget of
 # gradients. One run is one draw: the starting weights and the batch order come from a seed,
 # and a run near the edge of divergence can end on either side of it. So the sweep runs every
-# cell with several seeds (`sweep_seeds`; each seed its own weights and batch order) and
-# counts how many diverged. **Diverged** here, broader than the usual sense, means *ended
-# above the loss it started from*: a run that spiked late as well as one that grew without
-# bound (the explorer below lets you look for each). The first table prints the losses of one seed, the second the
+# cell with several seeds (`sweep_seeds`) and
+# counts how many **ended above their start** (the loss they started from): a run that
+# spiked late as well as one that grew without bound (the explorer below lets you look for
+# each). The first table prints the losses of one seed, the second the
 # count. (The staleness-aware step is lab 09's stretch: its runs come after the lab pointer.)
 
 # %%
@@ -449,11 +453,11 @@ starts = {s: start_of(s) for s in seeds}
 sweeps = {s: {lr: [async_sgd.run_stale(problem, tau, lr, seed_batches[s], seed=s)["loss"]
                    for tau in taus] for lr in lrs} for s in seeds}
 start_loss, sweep = starts[seed], sweeps[seed]
-# * : ended above its start ("diverged"); inf: overflowed (NaN too), so "inf*"; from 1000 up: powers of ten
-n_diverged = {lr: [sum(not sweeps[s][lr][i] < starts[s] for s in seeds) for i in range(len(taus))]
+# * : ended above its start; inf: overflowed (NaN too), so "inf*"; from 1000 up: powers of ten
+n_above = {lr: [sum(not sweeps[s][lr][i] < starts[s] for s in seeds) for i in range(len(taus))]
               for lr in lrs}
-print(f"seed {seed}: test loss after the budget; start {start_loss:.3f}; * = above the start "
-      "(diverged); inf = overflowed")
+print(f"seed {seed}: test loss after the budget; start {start_loss:.3f}; * = ended above the "
+      "start; inf = overflowed")
 print("        " + "".join(f"τ={t:<7}" for t in taus))
 
 
@@ -466,9 +470,9 @@ def cell(v):
 
 for lr, row in sweep.items():
     print(f"lr {lr:<4g}" + "".join(cell(v) for v in row))
-print(f"\nruns that diverged, of {len(seeds)} seeds ({', '.join(map(str, seeds))})")
+print(f"\nruns that ended above their start, of {len(seeds)} seeds ({', '.join(map(str, seeds))})")
 print("        " + "".join(f"τ={t:<7}" for t in taus))
-for lr, row in n_diverged.items():
+for lr, row in n_above.items():
     print(f"lr {lr:<4g}" + "".join(f"{f'{c}/{len(seeds)}':<9}" for c in row))
 
 # %%
@@ -479,15 +483,16 @@ kept_small = [(start_loss - v) / (start_loss - sweep[small][0]) for v in sweep[s
 viz.show(viz.staleness_figure(taus, sweep, start_loss=start_loss),
          f"Seed {seed}. At lr {small:g}, τ up to {taus[-2]} kept at least "
          f"{min(kept_small[:-1]):.0%} of τ = 0's loss reduction, but τ = {taus[-1]} kept only "
-         f"{kept_small[-1]:.0%} (and ended above its start in {n_diverged[small][-1]} of "
+         f"{kept_small[-1]:.0%} (and ended above its start in {n_above[small][-1]} of "
          f"{len(seeds)} seeds); at larger steps a few updates of delay are enough for that.")
 viz.show_code(viz.staleness_figure, folded="▶ code: viz.staleness_figure")
 
 # %% [markdown]
-# Try it: pick a staleness τ and a learning rate (from 0.3 up, where the table's runs
-# diverge; lab 09 measures the rows in between) and watch the test loss during training. Does
-# a diverging run climb from its first updates, or fall first and then turn? At lr 0.3, pick
-# a τ where the second table's seeds split: how close to the starting line does this seed end?
+# Try it: pick a staleness τ and a learning rate (from 0.3 up, where the table's runs end
+# above their start; lab 09 measures the rows in between) and watch the test loss during
+# training. Does such a run climb from its first updates, or fall first and then turn? At lr
+# 0.3, pick a τ where the second table's seeds split: how close to the starting line does this
+# seed end?
 
 # %%
 def stale_curve(tau, lr, points=5):
@@ -513,34 +518,35 @@ def stale_curve(tau, lr, points=5):
 staleness_explorer = viz.explorer(
     stale_curve, {"tau": (4, 0, 16), "lr": (0.3, 0.3, 1.5, 0.1)},   # lab 09 asks about lr 0.2
     caption="the test loss while every gradient lands τ updates late (async_sgd.run_stale); a run that "
-    "ends above the dotted start counts as diverged, even one that fell first.", description="staleness explorer (τ, lr)")
+    "ends above the dotted start gets the table's *, even one that fell first.", description="staleness explorer (τ, lr)")
 
 # %%
 big, S = lrs[-1], len(seeds)
 claim(f"at lr {big:g}, τ = {taus[-1]} ends worse than τ = 0, in every seed",
       all(sweeps[s][big][-1] > sweeps[s][big][0] for s in seeds))
-always = [t for t, c in zip(taus, n_diverged[big]) if c == S]
-claim(f"at lr {big:g} some τ diverges (ends above its starting loss) in every seed: τ = {always}",
+always = [t for t, c in zip(taus, n_above[big]) if c == S]
+claim(f"at lr {big:g} some τ ends above its starting loss in every seed: τ = {always}",
       len(always) > 0)
-safe = [t for t, c in zip(taus, n_diverged[small]) if c == 0]
+safe = [t for t, c in zip(taus, n_above[small]) if c == 0]
 claim(f"at lr {small:g} every τ up to {taus[-2]} lowers the loss in every seed (τ = "
-      f"{taus[-1]}: diverged in {n_diverged[small][-1]} of {S})",
+      f"{taus[-1]}: ended above its start in {n_above[small][-1]} of {S})",
       safe[:len(taus) - 1] == list(taus[:-1]))
 most_bad = {lr: min([t for t, c in zip(taus, row) if c > S / 2], default=math.inf)
-            for lr, row in n_diverged.items()}
-claim("the smallest τ at which most seeds diverge shrinks (or stays) as the step grows: "
+            for lr, row in n_above.items()}
+claim("the smallest τ at which most seeds end above their start shrinks (or stays) as the "
+      "step grows: "
       + ", ".join(f"lr {lr:g}: {'none' if t == math.inf else f'τ = {t}'}"
                   for lr, t in most_bad.items()),
       all(most_bad[a] >= most_bad[b] for a, b in zip(lrs, lrs[1:])))
-split = [f"lr {lr:g}, τ = {t}: {c}/{S}" for lr, row in n_diverged.items()
+split = [f"lr {lr:g}, τ = {t}: {c}/{S}" for lr, row in n_above.items()
          for t, c in zip(taus, row) if 0 < c < S]
 claim("near that edge the seeds disagree — a single run's * is not the boundary: "
       + "; ".join(split), len(split) > 0)
 
 # %% [markdown]
 # Read the tables along a row and down a column: staleness and step size trade off. Counted
-# over the seeds, the delay at which most runs diverge shrinks as the step grows (the claim
-# above: a trend over three step sizes, not a law such as "lr must shrink like 1/τ", which
+# over the seeds, the delay at which most runs end above their start shrinks as the step grows
+# (the claim above: a trend over three step sizes, not a law such as "lr must shrink like 1/τ", which
 # these few points cannot tell from others). Near that edge one run proves little: the
 # seeds split. That is why asynchronous systems lower the learning rate as they add workers
 # (more workers, more staleness) — and one reason lockstep DDP, whose τ is always 0, took over
@@ -579,15 +585,18 @@ print("runs that ended below their start, of " + f"{S} seeds: "
       + ", ".join(f"τ = {t}: {c}/{S}" for t, c in zip(aware_taus, rescued)))
 
 # %%
-claim(f"at lr {big:g}, where every seed's unaware run diverged at τ = {', '.join(map(str, aware_taus))}, "
+claim(f"at lr {big:g}, where every seed's unaware run ended above its start at τ = {', '.join(map(str, aware_taus))}, "
       "the staleness-aware step lowered the loss in most seeds at every one of them (counts "
       "above)", all(c > S / 2 for c in rescued)
-      and all(n_diverged[big][taus.index(t)] == S for t in aware_taus), rescued=rescued)
+      and all(n_above[big][taus.index(t)] == S for t in aware_taus), rescued=rescued)
 claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in every seed: every "
       "stale step is shrunk, good ones too",
       all(aware_runs[s][-1] > sweeps[s][big][0] for s in seeds))
 
 # %% [markdown]
+# With a constant τ, though, this simulator cannot tell the staleness-aware step from a
+# smaller fixed step (the numbers: folded, open after the stretch).
+#
 # **▶ What did the server's *awareness* add? — open after your lab passes, stretch included**
 # (click the folded text and the folded cell below).
 #
@@ -599,8 +608,8 @@ claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in eve
 # gradients. The folded cell below checks it, then runs the *unaware* server at lr/τ on seed 0
 # and sets it against the aware server's run above, on the same stale gradients.
 #
-# If the two end together, the runs above show that a smaller step rescues the large step,
-# which the lr 0.1 row already showed, not what awareness adds. Zhang et al. built the rule
+# If the two end together, the runs above show what the lr 0.1 row already showed, not what
+# awareness adds. Zhang et al. built the rule
 # for staleness that *varies* from update to update, as §1's real server's did: there each
 # gradient's step follows its own delay, which no single lr reproduces. A simulator that
 # delays every gradient by the same τ cannot test that.
@@ -642,9 +651,11 @@ with viz.folded_output("▶ The check — open after your lab passes, stretch in
 # and calls the averager after each step. We write the loop by hand to measure the drift.
 #
 # DiLoCo (Douillard et al. 2023), which trains across data centres, differs: each worker
-# takes H steps of AdamW, then the mean of the workers' *changes*, Δ = w<sub>start</sub> −
-# mean(w<sub>r</sub>), is the gradient of an outer SGD with Nesterov momentum (the paper: H =
-# 500). An outer SGD of lr 1 without momentum would be the averaging below.
+# takes H steps of AdamW (Adam with weight decay applied to the weights directly, not through
+# the gradient), then the mean of the workers' *changes*, Δ = w<sub>start</sub> −
+# mean(w<sub>r</sub>), is the gradient of an outer SGD with Nesterov momentum (momentum that
+# takes the gradient at the point the momentum is about to move to; the paper: H = 500). An
+# outer SGD of lr 1 without momentum would be the averaging below.
 
 # %%
 viz.show_code(async_sgd.local_sgd_worker)
@@ -852,12 +863,10 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # - Asynchronous, its workers stop waiting for the straggler (timed: more gradients in the
 #   same second; the round trip to the server remains, its share printed in §1), and its
 #   gradients are stale. In the simulator τ = 0 is SGD exactly; over the
-#   sweep's seeds, the
-#   delay at which most runs diverged (ended above their start) shrank as the step grew, and
-#   near it the seeds split;
-#   dividing the step by the staleness rescued most of the large step's runs, at the price of
-#   slower progress; whether the *awareness* adds more than a smaller lr: the folded check
-#   after lab 09's pointer.
+#   sweep's seeds, the delay at which most runs ended above their start shrank as the step
+#   grew, and near it the seeds split; dividing the step by the staleness rescued most of the
+#   large step's runs, at the price of slower progress, but with a constant τ this simulator
+#   cannot tell the staleness-aware step from a smaller fixed step.
 # - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP for SGD
 #   (with momentum and weight decay too), not for Adam (measured), the bytes sent fall as
 #   1/H (the all-reduces less: one bucket in DDP, one per tensor here), the

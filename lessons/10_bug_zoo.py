@@ -263,14 +263,15 @@ claim('with no timeout=, "gloo" and "cpu:gloo,cuda:nccl" both wait 30 minutes; N
 
 # %% [markdown]
 # **On NCCL the same hang looks different, depending on whether the communicator exists.**
-# NCCL forms it lazily, at the first collective on a GPU tensor (unless `init_process_group`
-# got a `device_id`). If bug 1's all-reduce *is* that first collective, rank 0 blocks inside it
-# while the communicator forms, and the group's timeout has no queued work to fire on. Once the
-# communicator exists, a collective only queues work on the GPU and returns; Python blocks later,
-# where it needs the result (a `.item()`). A watchdog thread fires at the timeout and, by
-# default, takes the whole process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`). Only with
-# `TORCH_NCCL_BLOCKING_WAIT=1`, or `work.wait(timeout)`, does `wait()` raise in your code, as
-# gloo does. Drawn from torch's source (Sources), not measured; no GPU here:
+# NCCL forms it lazily, at the first collective on a GPU tensor (unless `init_process_group` got a
+# `device_id`). If bug 1's all-reduce *is* that first collective, rank 0 blocks inside it while
+# the communicator forms, and the group's timeout has no queued work to fire on (the communicator
+# is made before the work is queued: Sources). Once the communicator exists, a collective only
+# queues work on the GPU and returns; Python blocks later, where it needs the result (a
+# `.item()`). A watchdog thread fires at the timeout and, by default, takes the whole process down
+# (`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`). Only with `TORCH_NCCL_BLOCKING_WAIT=1`, or
+# `work.wait(timeout)`, does `wait()` raise in your code, as gloo does. Drawn from torch's source
+# (Sources), not measured; no GPU here:
 
 # %%
 viz.show(viz.timeout_behaviour_figure(),
@@ -1256,7 +1257,11 @@ viz.quiz(quizzes.questions("10"))
 #   not shipped in the wheel) — `WorkNCCL::wait`: "In case of blockingWait or a timeout value is
 #   specified by the user, we block the CPU thread"; the `HeartbeatMonitor` constructor:
 #   `TORCH_NCCL_DUMP_ON_TIMEOUT` and `TORCH_NCCL_ENABLE_MONITORING` default to true; the
-#   constructor's `desyncDebug_` is on with `TORCH_NCCL_DESYNC_DEBUG` or the DETAIL debug level.
+#   constructor's `desyncDebug_` is on with `TORCH_NCCL_DESYNC_DEBUG` or the DETAIL debug level;
+#   `ProcessGroupNCCL::collective`: `getNCCLComm(key)` and, when none is cached,
+#   `initNCCLComm(key, device, opType)` (forms the communicator, blocking by default) come
+#   before `initWork(...)` builds the work and `workEnqueue(work)` hands it to the watchdog
+#   (the installed `ProcessGroupNCCL.hpp` declares all four).
 # - `torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp` — `NCCLComm::waitReady`, "a
 #   blocking function": a collective needs its communicator ready; `ProcessGroupNCCL.hpp` —
 #   `useNonblocking()`, the switch of nonblocking communicator creation, read from

@@ -636,18 +636,22 @@ model = parallelize_module(plain_mlp(), mesh, {"0": ColwiseParallel(), "2": Roww
 """)
 
 # %% [markdown]
-# **▶ torch's results and collectives beside ours — open after your lab passes**. It proves
-# that torch's output, input gradient and every shard's
-# gradient equal ours (to 1e-6) and that torch sends the same collectives as ours, with the
-# same sizes (its own `CommDebugMode` and our recorder agree); its counts, pass by pass, are
-# lab 11's answer again.
+# **▶ torch's results beside ours** — click the folded cell below: torch's output, input
+# gradient and every shard's gradient equal ours (to 1e-6).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-with viz.folded_output("▶ torch's results and collectives beside ours — open after your lab "
-                       "passes"):
+with viz.folded_output("▶ torch's results beside ours"):
     claim("torch's output, input gradient and every shard's gradients == ours (to 1e-6)",
           max(max(r["torch_out_diff"], r["torch_input_grad_diff"], r["torch_grad_diff"])
               for r in tp_runs) < 1e-6)
+
+# %% [markdown]
+# **▶ Its collectives beside ours — open after your lab passes**: torch sends the same
+# collectives as ours, with the same sizes (its own `CommDebugMode` and our recorder agree);
+# its counts, pass by pass, are lab 11's answer again.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+with viz.folded_output("▶ torch's collectives beside ours — open after your lab passes"):
     print("CommDebugMode, after the forward:", r0["torch_forward_counts"],
           "; after the backward:", r0["torch_counts"])
     print("recorded:", r0["torch_recorded"])
@@ -743,9 +747,7 @@ viz.show_code(tp_answers.sp_collectives, folded="▶ code: the claims — open a
 # %% [markdown]
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
 # Tensor parallelism cuts every layer; **pipeline parallelism** cuts the model into K
-# **stages** of consecutive layers, one per rank (K is the stages from here on, as in lab 11;
-# lesson 06's K was the size of the gradient all-reduced, lesson 08's the optimizer's bytes
-# per parameter), and
+# **stages** of consecutive layers, one per rank (K, as in lab 11), and
 # passes activations forward (`send`/`recv`, lesson 06) and their gradients backward. With one batch only one stage
 # works at a time, so the batch is cut into M **micro-batches** that follow each other
 # through the stages (GPipe, Huang et al. 2019); each stage *accumulates* the M micro-batches'
@@ -753,8 +755,7 @@ viz.show_code(tp_answers.sp_collectives, folded="▶ code: the claims — open a
 # still sit idle while the pipeline fills and drains: with equal stage times a step lasts
 # M + K − 1 slots of which each stage works M, an idle share — the **bubble** — of (K − 1)/(M + K − 1).
 # (Megatron-LM and the Ultra-Scale Playbook quote the idle time over the work instead,
-# (p − 1)/m with p = K stages and m = M micro-batches: the **idle-to-work ratio**, which
-# section 5 prints beside the bubble.)
+# (K − 1)/M: the **idle-to-work ratio**, which section 5 prints beside the bubble.)
 #
 # **▶ How the M micro-batches' gradients become the whole batch's — open after lab 11's
 # stretch passes**.
@@ -1156,9 +1157,10 @@ with viz.folded_output("▶ torch's placements on the mesh (they show section 2'
 # ## 5. A planner
 # Which sizes, then, for a real model on a real cluster? `dpcourse.planner` tries every
 # tensor size t dividing a node's GPUs (no tensor-parallel group straddles two nodes), every
-# pipeline size p (section 3's K; M stays the micro-batches per pipeline) dividing the layers,
-# and DDP, ZeRO-1 and ZeRO-3, with D = GPUs / (t·p)
-# replicas (d stays the model's width). For each it computes per GPU the model state, the
+# number of stages dividing the layers (section 3's K, written and printed p from here on, as
+# the planner and Megatron-LM write it; M stays the micro-batches per pipeline), and DDP,
+# ZeRO-1 and ZeRO-3, with D = GPUs / (t·p) data-parallel replicas (d stays the model's width).
+# For each it computes per GPU the model state, the
 # activations, each dimension's messages and bytes per step, and a step time: compute at an
 # assumed half of the peak,
 # stretched by the pipeline's fill and drain, plus every byte at its link's speed, nothing
@@ -1179,11 +1181,18 @@ with viz.folded_output("▶ torch's placements on the mesh (they show section 2'
 viz.show_code(planner.Cluster, planner.within_nodes, planner.plan)
 
 # %% [markdown]
-# **▶ `planner.plan_row`, which prices one configuration as described above (its
-# tensor-parallel lines price lab 11's answer) — open after your lab passes**.
+# **▶ `planner.plan_row`: how each row is priced, as described above** — click the folded
+# cell below.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(planner.plan_row, folded="▶ planner.plan_row — open after your lab passes")
+viz.show_code(planner.plan_row, folded="▶ planner.plan_row: how each row is priced")
+
+# %% [markdown]
+# **▶ `planner.tp_traffic`**, where `plan_row` gets its tensor-parallel messages: it prices lab
+# 11's answer, so open it after your lab passes.
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(planner.tp_traffic, folded="▶ planner.tp_traffic — open after your lab passes")
 
 # %% [markdown]
 # **▶ `planner.TP_MESSAGES_PER_LAYER`, the tensor-parallel messages `plan_row` counts, held

@@ -211,16 +211,16 @@ lab09.check_async_worker(async_worker_loop, my_trace)   # held to your part-1 tr
 # <details><summary>▶ Hint 1 — a question</summary>
 #
 # Lesson 09's second table (the same batches and budget) counts, over 5 seeds, the runs that
-# diverged at lr 0.1 and lr 0.3: from which τ on did most seeds diverge at each, and how many
-# seeds split at the τ in between? Your sweep is one seed at a step between those two rows:
+# ended above their start at lr 0.1 and lr 0.3: from which τ on did most seeds end there at
+# each, and how many seeds split at the τ in between? Your sweep is one seed at a step between those two rows:
 # where would its edge sit, and how far can one run land from it?
 #
 # </details>
 
 # %%
 ### BEGIN SOLUTION: your prediction: set my_guess (a whole number, 1 to 17)
-# Lesson 09's counts: most seeds diverged from τ = 8 at lr 0.3 (lr · τ = 2.4), none up to
-# τ = 8 and 1 of 5 at τ = 16 at lr 0.1: lr 0.2 sits between, so its edge lies in 9..16.
+# Lesson 09's counts: most seeds ended above their start from τ = 8 at lr 0.3 (lr · τ = 2.4),
+# none up to τ = 8 and 1 of 5 at τ = 16 at lr 0.1: lr 0.2 sits between, so its edge lies in 9..16.
 # If the edge kept lr · τ ≈ 2.4, it would be at 2.4 / 0.2 = 12 (also the middle of 9..16).
 my_guess = 12
 ### END SOLUTION
@@ -245,8 +245,8 @@ lab09.check_prediction(guess, losses, start_loss)
 # %% [markdown]
 # ## Stretch (optional): the staleness-aware step
 #
-# A workshop can stop here. Lesson 09 found that stale gradients diverge at a step size
-# that fresh ones tolerate. Zhang et al. (2016, "Staleness-aware async-SGD for distributed
+# A workshop can stop here. Lesson 09 found that stale gradients end runs above their start at
+# a step size that fresh ones tolerate. Zhang et al. (2016, "Staleness-aware async-SGD for distributed
 # deep learning") scale each step by the gradient's staleness s: a gradient s updates stale
 # takes the step lr / s.
 #

@@ -300,6 +300,60 @@ def test_a_stop_while_ranks_start_leaves_no_rank_behind(tmp_path, monkeypatch):
     assert not any(_alive(p) for p in started)
 
 
+KILLED_KERNEL = """
+import os, sys, time
+from dpcourse import launch
+
+def polling(rank, world_size, path):
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    while True:  # a rank polling for a message that never comes: it never ends by itself
+        time.sleep(0.05)
+
+if __name__ == "__main__":  # the ranks' start re-imports this file (a kernel has no file)
+    launch.spawn(polling, 2, sys.argv[1], timeout=600, show_output=False)
+"""
+
+
+def test_ranks_end_when_their_kernel_is_killed(tmp_path):
+    """A kernel killed mid-cell (a restart that does not wait, a crash, the OOM killer) runs no
+    cleanup at all: here a script stands in for it, SIGKILLed while its two ranks poll forever.
+    Each rank's watcher sees its release pipe close and ends the rank; with them gone, the fork
+    server (which the ranks kept alive) exits too. Before the watcher, such ranks ran on for
+    good, re-parented to init (found after a killed test run, 2026-11-29)."""
+    script = tmp_path / "kernel.py"
+    script.write_text(KILLED_KERNEL)
+    kernel = subprocess.Popen([sys.executable, str(script), str(tmp_path / "pid")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    files = [tmp_path / f"pid.{r}" for r in range(2)]
+    pids: list[int] = []
+    try:
+        # bounded by the script's start: an interpreter, torch's import, a cold fork server
+        deadline = time.monotonic() + 120
+        while not all(f.exists() and f.read_text().endswith(tuple("0123456789"))
+                      for f in files):
+            assert kernel.poll() is None, kernel.stdout.read().decode()
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        ranks_and_server = [int(x) for f in files for x in f.read_text().split()]
+        pids = sorted(set(ranks_and_server))  # two ranks and their one fork server
+        assert len(pids) == 3, ranks_and_server
+        kernel.kill()
+        kernel.wait()
+        deadline = time.monotonic() + 30  # the watchers react at once; 30 s only bounds a hang
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p for p in pids if _alive(p)] == [], "ranks (or their fork server) outlived it"
+    finally:
+        kernel.kill()
+        kernel.wait()
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 TORCHRUN_SCRIPT = """
 import os, sys, time
 # the pid first: a worker exists (and must be killed) from its start, before torch's import

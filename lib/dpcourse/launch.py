@@ -51,6 +51,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -191,7 +192,9 @@ def worker_entry(rank: int, world_size: int, port: int, payload: bytes, env: dic
     and ends with ``os._exit`` (no atexit handlers: DDP's gloo threads can abort a normal exit).
     A rank that returned early therefore stays alive with its sockets open while the others
     work, which is why a collective its peer still waits in hangs instead of failing at once
-    (lesson 04's section on uneven inputs quotes that end).
+    (lesson 04's section on uneven inputs quotes that end). Should the parent die without
+    releasing it (a kernel killed or restarted mid-cell), a watcher thread sees ``release_conn``
+    close and kills this rank's process group, so no rank outlives its notebook.
 
     Shown in lesson 00, §"Running many processes from a notebook".
     """
@@ -206,6 +209,10 @@ def worker_entry(rank: int, world_size: int, port: int, payload: bytes, env: dic
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
+    # The parent holds the only write end of release_conn: it closes once the parent is done
+    # with this rank, or dies. A rank busy in fn (stuck in a collective, polling) would outlive
+    # a kernel killed mid-cell, with no one left to kill it; this thread ends it then.
+    threading.Thread(target=_end_when_released, args=(release_conn,), daemon=True).start()
     os.environ.update(env)  # the parent's environment *now*, not when the fork server started
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -251,6 +258,16 @@ def worker_entry(rank: int, world_size: int, port: int, payload: bytes, env: dic
         # os._exit skips the interpreter's shutdown, where gloo's threads (kept alive by DDP)
         # sometimes abort the process after all the work is done.
         os._exit(0)
+
+
+def _end_when_released(release_conn) -> None:
+    """Block until ``release_conn`` closes (the parent released this rank, or died), then kill
+    this rank's process group: the rank and anything it started."""
+    try:
+        release_conn.poll(None)
+    except (EOFError, OSError):
+        pass
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ __all__ = [
     "Cluster",
     "activation_bytes_per_layer",
     "within_nodes",
+    "tp_traffic",
     "plan_row",
     "plan",
     "GPT3_175B",
@@ -164,6 +165,26 @@ def within_nodes(span: int, gpus_per_node: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
+def tp_traffic(model: Transformer, tp: int, micro_batch: int, layers: int, micro_batches: int,
+               recompute: bool = True) -> tuple:
+    """Tensor parallelism's messages per GPU and step, and the bytes one GPU sends in them, for
+    ``layers`` transformer layers run on ``micro_batches`` micro-batches of ``micro_batch``
+    sequences over t = ``tp`` GPUs: :data:`TP_MESSAGES_PER_LAYER` all-reduces per layer and
+    micro-batch (the forward's once more when it is ``recompute``-d), each of one 16-bit
+    activation (s·b·d elements), of which a ring all-reduce has each rank send 2(t−1)/t;
+    (0, 0.0) when t is 1. :func:`plan_row` prices its tensor dimension with it.
+    Shown in lesson 11, §5."""
+    if tp <= 1:
+        return 0, 0.0
+    s, b, d = model.seq_len, micro_batch, model.hidden
+    act_msg = 2 * s * b * d                           # one activation, 16-bit
+    ring = (lambda k: 2 * (k - 1) / k)                # a TP message's share one rank sends, k ranks
+    per_layer = TP_MESSAGES_PER_LAYER["forward"] * (2 if recompute else 1) \
+        + TP_MESSAGES_PER_LAYER["backward"]
+    tp_msgs = layers * micro_batches * per_layer
+    return tp_msgs, tp_msgs * act_msg * ring(tp)
+
+
 def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batch: int,
              micro_batch: int = 1, stage: str = "ddp", recompute: bool = True,
              sequence_parallel: bool = False, bucket_bytes: float = 25 * 2**20,
@@ -191,7 +212,8 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     messages: one all-reduce per ``bucket_bytes`` of
     gradients (DDP's default bucket, 25 MiB), a reduce-scatter and an all-gather per bucket for
     ZeRO-1 (m reduce-scatters per bucket for ZeRO-2), three collectives per layer and
-    micro-batch for ZeRO-3. A pipeline message is a
+    micro-batch for ZeRO-3. The tensor dimension's messages and bytes come from
+    :func:`tp_traffic`. A pipeline message is a
     full activation per GPU (no scatter-gather over the t ranks). Returns a dict with every number the
     lesson prints, and ``fits``. ``order`` is the rank layout that decides which links a
     dimension's groups use (the module's docstring): "tp-pp-dp" or Megatron-LM's "tp-dp-pp".
@@ -226,13 +248,8 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     working = layer_params * (2 * 2 + grad_bytes) if stage == "zero3" else 0.0
     total = state + activations + working
 
-    s, b, d = model.seq_len, micro_batch, model.hidden
-    act_msg = 2 * s * b * d                           # one activation, 16-bit
-    ring = (lambda k: 2 * (k - 1) / k)                # a TP message's share one rank sends, k ranks
-    per_layer = TP_MESSAGES_PER_LAYER["forward"] * (2 if recompute else 1) \
-        + TP_MESSAGES_PER_LAYER["backward"]
-    tp_msgs = layers_here * m * per_layer if tp > 1 else 0
-    tp_bytes = tp_msgs * act_msg * ring(tp) if tp > 1 else 0.0
+    act_msg = 2 * model.seq_len * micro_batch * model.hidden   # one activation, 16-bit
+    tp_msgs, tp_bytes = tp_traffic(model, tp, micro_batch, layers_here, m, recompute)
     pp_msgs = 2 * m if pp > 1 else 0                  # a middle stage: one each way per micro-batch
     pp_bytes = pp_msgs * act_msg
     dp_volume = per_gpu * {"ddp": 2 * grad_bytes,                 # all-reduce of the gradients

@@ -38,17 +38,15 @@ QUESTIONS = [
      "why": ["Hogwild! is lock-free and stale by nature.",
              "That has the same update, but it is a different program.",
              "Right: each gradient is pushed right after it is computed."]},
-    {"q": "Stale gradients made runs diverge (end above their starting loss, this lesson's "
-          "criterion). What fixes it?",
+    {"q": "Stale gradients made runs end above their starting loss. What fixes it?",
      "options": ["A larger learning rate, to catch up",
                  "A smaller step, e.g. lr divided by the staleness",
                  "More workers, to average the staleness out"],
      "answer": 1,
-     "why": ["The opposite: divergence comes from large steps on stale information.",
+     "why": ["The opposite: those runs failed from large steps on stale information.",
              "Right: counted over seeds, the delay a step tolerates shrank as the step grew; "
-             "at a constant τ the staleness-aware step is, from the (τ+1)-th update on, the "
-             "unaware server at lr/τ on the same stale gradients (during the first τ updates "
-             "the staleness is still rising).",
+             "with a constant τ this lesson's simulator cannot tell the staleness-aware step "
+             "from a smaller fixed step.",
              "More workers make the gradients staler."]},
     {"q": "Local SGD with H = 8 compared with DDP:",
      "options": ["8× fewer bytes sent, with drift between the averages",

@@ -107,8 +107,8 @@ def staleness_figure(taus: Sequence[int], losses: dict, aware: dict | None = Non
                      start_loss: float | None = None, cap: float = 3.0):
     """Test loss after a fixed budget against the staleness τ, one line per learning rate
     (``losses[lr] = [loss at each τ]``); a run off the scale (loss above ``cap``, inf or NaN)
-    is drawn as an ✕ at the cap; "diverged" (ended above the start) is the line above
-    ``start_loss``, not the ✕. ``aware[lr]``: the same with staleness-aware steps, dashed; a ``None``
+    is drawn as an ✕ at the cap; a run that ended above its start is any point above the
+    dotted line at ``start_loss``, ✕ included. ``aware[lr]``: the same with staleness-aware steps, dashed; a ``None``
     in it is a τ that was not run, left out of the line.
 
     Shown in lesson 09, §2."""
