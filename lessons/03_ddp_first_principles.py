@@ -122,8 +122,9 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # A **collective** is an operation that *every* rank of the group calls, in the same order as the
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
 # once the result is in the tensor. With nccl it hands the work to the GPU and returns without
-# waiting for it to run; by default (`async_op=False`; `True` returns a work handle to wait on:
-# § Buckets) later GPU work still runs after it.
+# waiting for it to run (unless `TORCH_NCCL_BLOCKING_WAIT=1`, lesson 10); by default
+# (`async_op=False`; `True` returns a work handle to wait on: "Buckets, and why the first
+# iteration has only one") later GPU work still runs after it.
 # NCCL runs a group's collectives over its *communicator*: the connections between the ranks'
 # GPUs. By default it forms it lazily, at the first collective (lesson 10 shows where that
 # matters).
@@ -186,8 +187,8 @@ viz.show(viz.collectives_figure(before, after),
 #
 # So after `backward()` and before the optimizer step, every rank must replace each of its
 # gradients by their average over all the ranks — the same numbers on every rank. That is the
-# whole idea of data parallelism; which of the collectives above produce that average, and
-# how, you will work out yourself in lab 03. `DistributedDataParallel` does it for you, hidden
+# whole idea of data parallelism; how to produce that average from the collectives above, you
+# will work out yourself in lab 03. `DistributedDataParallel` does it for you, hidden
 # in `backward()` (how DDP orders the arithmetic comes after the lab).
 #
 # The identity in one process, no ranks needed: the average of the gradients of two halves of
@@ -470,13 +471,12 @@ else:
 # 2. **Buffers broadcast before a forward.** Buffers are a module's state that is not a
 #    parameter, such as BatchNorm's running statistics: no gradient reaches them, so no
 #    all-reduce averages them. By default (`forward_sync_buffers=True`) DDP copies rank 0's
-#    buffers to every rank at the start of the first forward and of each forward whose previous
-#    forward ran with gradients enabled and outside `no_sync()` (a context in which a backward
-#    does not average the gradients, for accumulating them over several batches: lesson 04),
-#    in `train()` or `eval()` mode alike (which forwards skip it, the buffers section
-#    measures). (Before torch 2.13 the switch was `broadcast_buffers`, now deprecated: its
-#    `False` also leaves the buffers out of item 1's broadcast; `forward_sync_buffers=False`
-#    does not.)
+#    buffers to every rank at the start of a forward, in `train()` or `eval()` mode alike. It
+#    skips the copy when the previous forward ran without gradients or inside `no_sync()`, a
+#    context in which a backward does not average the gradients (lesson 04 accumulates them
+#    with it); the buffers section measures both. The older switch, `broadcast_buffers`
+#    (deprecated since torch 2.13), also skips item 1's broadcast when `False`;
+#    `forward_sync_buffers=False` does not.
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (by default 25 MiB, and
 #    1 MiB for the first bucket, kept small "to reduce latency"; an explicit `bucket_cap_mb`
@@ -688,9 +688,9 @@ claim(f"with bucket_cap_mb_list=[{cap_mb}], iteration 0 is bucketed by size unde
 # <details><summary>▶ open: static_graph=True, one iteration longer</summary>
 #
 # `static_graph=True` waits one iteration longer: in its first iteration the reducer only notes
-# which parameters received a gradient, and all-reduces everything at the end of the backward
-# (`_DDPSink.backward` queues the reducer's `_delay_all_reduce`); it records the order in the second
-# iteration and rebuilds before the third. The same model and cap, with `static_graph=True`:
+# which parameters received a gradient, and all-reduces everything after the backward (the
+# timeline below names the code); it records the order in the second iteration and rebuilds
+# before the third. The same model and cap:
 #
 # </details>
 
@@ -803,12 +803,15 @@ claim("a rebuilt bucket here is more than 4x its cap", largest > 4 * limit)
 
 # %% [markdown]
 # ### The overlap, on a timeline
-# Here are iterations 0 and 2 on rank 0, and `static_graph`'s warm iteration 1 (folded above),
-# drawn from the time stamps the hooks recorded (`viz.bucket_timelines_figure` only draws them).
-# Each tick on a "gradients computed" row is a gradient being computed; each bar is one bucket, from DDP's call to the hook to the
-# all-reduce's completion callback: a latency, any wait before the transfer included, so bars can
-# overlap. Labels give its index, not its size or tensors (folded above). The axis ends when the
-# slowest backward returned.
+# Here are iterations 0 and 2 on rank 0, and `static_graph`'s warm iteration 1, drawn from the
+# time stamps the hooks recorded (`viz.bucket_timelines_figure` only draws them). With
+# `static_graph=True` the first backward all-reduces everything at its end (`_DDPSink.backward`
+# queues the reducer's `_delay_all_reduce`), and the buckets change only from iteration 2
+# (claimed in the fold above): its iteration 1 is one bucket, warm.
+# Each tick on a "gradients computed" row is a gradient being computed; each bar is one bucket,
+# from DDP's call to the hook to the all-reduce's completion callback: a latency, any wait
+# before the transfer included, so bars can overlap. Labels give its index, not its size or
+# tensors (folded above). The axis ends when the slowest backward returned.
 
 # %%
 claim("iteration 0: its one bucket was launched only after the last gradient was computed",
@@ -857,22 +860,21 @@ print(f"after the last gradient, backward() waited for communication {tail['0']:
       f"warm) and {tail['2']:.1f} ms in iteration 2: "
       + ("shorter than the warm single bucket, where earlier buckets went out during the "
          "backward." if tail["2"] < tail["warm"] else "not shorter than the warm single bucket "
-         "in this run: with gloo the all-reduce shares the cores with the backward, so overlap "
-         "need not save time."))
+         "in this run, which reads rank 0's times only and so cannot tell waiting for rank 1 "
+         "from sharing the cores with the backward."))
 
 # %% [markdown]
 # Read the cell above in two parts. The time until the last gradient is compute alone in
 # iteration 0, the run's first backward, which can pay one-time costs there (allocating its
-# memory, say). In iteration 2 it also carries the first buckets' all-reduces, on gloo's own
-# threads sharing the cores with the backward (NCCL runs them on a GPU stream of
-# their own). The time *after* the last gradient is communication the backward could not hide: in
-# iteration 0 the whole model in one bucket, also its process's first all-reduce; in iteration 2
-# only what the last buckets still needed. The fair no-overlap control is the figure's third
-# panel, warm. The last line says whether iteration 2's tail beat it in this run (timed, one
-# sample each: not asserted). The overlap rests on the bucket's all-reduce being *asynchronous*:
-# torch's `allreduce_hook` (our hook's) runs `dist.all_reduce(...,
-# async_op=True)`, and DDP's internal `_AllReduceBySumCommHook` (its path without a hook) likewise
-# returns a future from its `runHook`, so the backward goes on while a bucket is on the wire.
+# memory, say); in iteration 2 it also carries the first buckets' all-reduces, on gloo's threads
+# (NCCL runs them on a GPU stream of its own). The time *after* the last gradient is communication the backward
+# could not hide: in iteration 0 the whole model in one bucket, also its process's first
+# all-reduce; in iteration 2 only what the last buckets still needed. The last line compares it
+# with the third panel's warm single bucket (timed, one sample each: not asserted). The overlap
+# rests on the bucket's all-reduce being *asynchronous*: torch's `allreduce_hook` (our hook's)
+# runs `dist.all_reduce(..., async_op=True)`, and DDP's internal `_AllReduceBySumCommHook` (its
+# path without a hook) likewise returns a future from its `runHook`, so the backward goes on
+# while a bucket is on the wire.
 # Lesson 07 measures what overlap buys.
 #
 # ### Buffers: rank 0's BatchNorm statistics, before a forward
@@ -880,13 +882,11 @@ print(f"after the last gradient, backward() waited for communication {tail['0']:
 # them from the batch it sees, and eval mode normalises with them instead of the batch's. They
 # are buffers, so each rank updates its own from its own shard and no all-reduce touches them.
 # Before a forward through the wrapper, DDP broadcasts rank 0's buffers to the other ranks
-# (rank 0 is the "authoritative" copy outside lesson 04's `Join`, where it is the
-# highest-numbered rank not yet joined) — but not before one that follows a forward run under
-# `torch.no_grad()` or inside `no_sync()`. After every forward, DDP notes whether that forward
-# ran with gradients enabled and outside `no_sync()`, and the next forward broadcasts only if
-# it did, whatever `train()` or `eval()` says. (In DDP's code: `_pre_forward` calls
-# `_sync_buffers`; `_post_forward` sets the flag `require_forward_param_sync` to
-# `torch.is_grad_enabled() and self.require_backward_grad_sync`.)
+# (rank 0 is the "authoritative" copy, except inside lesson 04's `Join`, the context manager
+# for ranks with uneven inputs, which uses the highest-numbered rank not yet joined) — but not
+# before one that follows a forward run under `torch.no_grad()` or inside `no_sync()`, whatever
+# `train()` or `eval()` says (`_post_forward` notes how each forward ran, `_pre_forward` reads
+# it: Sources).
 # `buffer_sync_worker` trains a small BatchNorm network for three steps with
 # `forward_sync_buffers=True` and then `False`, each rank on its own data, evaluates it, then
 # runs a training-mode forward under `no_grad`, a step, and a step accumulated under
@@ -1264,7 +1264,8 @@ viz.quiz(quizzes.questions("03"))
 #   functions", and calls must come in the same order on all processes ("`WorkNCCL::wait()` or
 #   `WorkNCCL::synchronize()`, both achieves the same functionality"; `synchronize`: "Let
 #   current stream wait on the completion of the NCCL work"); `ncclStreams_` ("The CUDA streams
-#   used by NCCL kernels").
+#   used by NCCL kernels"); `TORCH_NCCL_BLOCKING_WAIT`: "Control whether or not wait() is
+#   blocking or non-blocking".
 # - `torch/include/torch/csrc/distributed/c10d/ProcessGroupGloo.hpp` — `Options::threads{2}`;
 #   `enqueue` ("Queue work to run on worker thread") and `runLoop`: gloo's own threads.
 # - `torch/include/ATen/core/ivalue_inl.h` — `Future::wait()`: waits for `completed_`, then

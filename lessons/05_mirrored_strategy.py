@@ -112,8 +112,7 @@ viz.show_code(tf_quiet.set_quiet_environment, folded="▶ code: tf_quiet.set_qui
 # state is (`Metric.add_variable`) — becomes a `SyncOnReadVariable` instead: each replica updates
 # its own copy, and they are combined only when the value is read by code that runs once for
 # all replicas (the *cross-replica context*). Both kinds are claimed below. A variable
-# created outside the scope is an ordinary variable on one device: the strategy neither mirrors
-# nor syncs it.
+# created outside the scope is an ordinary variable on one device.
 
 # %% [markdown]
 # The course builds every strategy with `mirrored.make_strategy(devices)`: plain
@@ -258,21 +257,20 @@ claim("one process, one input pipeline: dataset_fn ran once, as pipeline 0 of 1"
 # ### cache and prefetch
 #
 # A real image pipeline decodes files (JPEG/PNG) for every example in every epoch. `cache()`
-# keeps the decoded result after the first epoch; `prefetch()` prepares the next batch while the
-# current one is consumed. We store our images as PNG and compare two epochs of a pipeline that
-# decodes every time against one with cache and prefetch. Where `cache()` stands in the pipeline
-# decides what it keeps: in the course's `make_dataset` it comes after the `map` that decodes
-# and normalises, and before `shuffle` and `batch` — so it keeps decoded images, and each epoch
-# still shuffles and batches them anew:
+# keeps the decoded result after the first epoch — in memory, so only while the decoded float32
+# set fits in RAM (four times the uint8 images); `cache(filename)` keeps it in a file instead.
+# `prefetch()` prepares the next batch while the current one is consumed. We store our images as
+# PNG and compare two epochs of a pipeline that decodes every time against one with cache and
+# prefetch. Where `cache()` stands in the pipeline decides what it keeps: in the course's
+# `make_dataset` it comes after the `map` that decodes and normalises, and before `shuffle` and
+# `batch` — so it keeps decoded images, and each epoch still shuffles and batches them anew:
 
 # %%
 viz.show_code(mirrored.make_dataset)
 
 # %% [markdown]
-# What to expect: cache saves the decoding of every epoch after the first, so we compare
-# second epochs: one that decodes again against one that reads the cache. Prefetch has nothing
-# to overlap with here (the loop does no work with the batches); it pays off when a training
-# step runs while the next batch is prepared. Nor is `prefetch=False` a sequential pipeline:
+# Cache saves the decoding of every epoch after the first, so we compare second epochs. Prefetch
+# has nothing to overlap with here (the loop does no work with the batches). Nor is `prefetch=False` a sequential pipeline:
 # TF 2.21's default tf.data optimizations inject a prefetch after the final `batch`
 # (`inject_prefetch`) and run the decoding `map` in parallel (`map_parallelization`) in both
 # pipelines (`tensorflow/python/data/ops/options.py`), so the second epochs compare the cache
@@ -282,7 +280,8 @@ viz.show_code(mirrored.make_dataset)
 # pipeline's first epoch may pay one-time costs: for the one that decodes every time, its first
 # epoch minus its second shows them. After an untimed warm-up of each kind (tracing the `map`:
 # recording its ops into a graph, once; and loading the decoder), three rounds, the two kinds
-# taking turns to go first; a gain or a one-time cost is called only when every round shows it (5 % or more).
+# taking turns to go first; a gain or a one-time cost is called only when every round shows it
+# (5 % or more).
 
 # %% [markdown]
 # **▶ The timing's code** (folded below; its output shows: each round's two epochs, then what
@@ -382,18 +381,19 @@ claim("inside strategy.run, all_reduce(MEAN) hands every replica the mean of all
 #
 # What if one replica skips the call? TF's docstring of `all_reduce` says the operation then
 # "hangs"; on this profile it fails instead. Eagerly, `strategy.run` raises a `RuntimeError`; in
-# a `tf.function` — as every training step of this lesson runs — a call that only some replicas
-# make (under an `if` on the replica id) is refused while TF traces, before the step ever runs.
+# a `tf.function` a call that only some replicas make (under an `if` on the replica id) is
+# refused while TF traces, before the step ever runs.
 # A traced loop *around* `strategy.run` is fine. So every replica makes the call, in the same
-# order. The two cells below run both: replica 0 returns before the call, eagerly first.
+# order. The cells below run both (replica 0 returns before the call, eagerly first), then the
+# loop.
 
 # %% [markdown]
 # <details><summary>▶ Inside tf.distribute: merge calls</summary>
 #
-# **Merge calls** explain why, under `MirroredStrategy` on this profile, it does not hang: the
-# replica context's `all_reduce` goes through one (`ReplicaContextBase.all_reduce`), and so
-# does Keras' `apply_gradients` (through that `all_reduce`); `strategy.reduce` needs none,
-# since it already runs in the cross-replica context.
+# **Merge calls** explain why, under `MirroredStrategy` on this profile, a skipped `all_reduce`
+# does not hang: the replica context's `all_reduce` goes through one
+# (`ReplicaContextBase.all_reduce`), and so does Keras' `apply_gradients` (through that
+# `all_reduce`); `strategy.reduce`, already in the cross-replica context, needs none.
 #
 # Read in `mirrored_run.py` (Sources): **eagerly**, `strategy.run` counts each replica's merge
 # calls — when some replicas finish while others still wait in one, it raises a `RuntimeError`
@@ -456,11 +456,34 @@ id_dtypes = {t.dtype.name for t in strategy.experimental_local_results(strategy.
 claim("replica_id_in_sync_group is an int32 tensor", id_dtypes == {"int32"}, dtypes=id_dtypes)
 
 # %% [markdown]
+# **▶ The traced loop's code** (folded below; its output is the claim).
+
+# %% jupyter={"source_hidden": true}
+loop_traces = []
+
+
+@tf.function
+def traced_loop():   # strategy.run(mean_replica_id), all_reduce inside, in a traced loop
+    loop_traces.append(1)                                   # Python runs only while TF traces
+    total = tf.constant(0.0)
+    for _ in tf.range(3):   # AutoGraph: a tf.while_loop, its body traced once as one graph
+        total += strategy.experimental_local_results(strategy.run(mean_replica_id)[1])[-1]
+    return total
+
+
+looped = [float(traced_loop()) for _ in range(2)]
+claim("a tf.function looping 3 times over strategy.run, all_reduce inside: traced once, no "
+      "error, and each call returns 3 × (N-1)/2",
+      loop_traces == [1] and looped == [3 * (n_replicas - 1) / 2] * 2,
+      traces=len(loop_traces), looped=looped)
+
+# %% [markdown]
 # When does the strategy use merge calls at all? By TF's source
 # (`MirroredExtended._use_merge_call`, a policy flag; Sources), MirroredStrategy skips merge calls
-# only in a function compiled with XLA whose strategy's devices are all GPUs; otherwise it keeps
-# them, XLA or not. The cell reads the flag while TF traces an XLA-compiled function on this
-# profile's devices, which tests the one case this profile has:
+# only in a function compiled with XLA (TensorFlow's compiler, `tf.function(jit_compile=True)`)
+# whose strategy's devices are all GPUs; otherwise it keeps them, XLA or not. The cell reads the
+# flag while TF traces an XLA-compiled function on this profile's devices, which tests the one
+# case this profile has:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1144,7 +1167,7 @@ print(f"2 workers, {steps} steps: {mw.seconds:.1f} s in all (start-up and TF imp
 # |---|---|---|
 # | who runs the replicas | N processes, one per device (`spawn`/`torchrun`) | one process, N replicas (`strategy.run`); N processes with MultiWorkerMirroredStrategy |
 # | where the model is copied | each rank builds it; DDP broadcasts rank 0's weights | `MirroredVariable`s created under `strategy.scope()` |
-# | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split over the replicas; across workers each worker's copy of the pipeline is first auto-sharded (`AutoShardPolicy`: by files, else by elements: each worker reads everything and keeps 1/W); `distribute_datasets_from_function`: each input pipeline feeds its replicas |
+# | splitting the data | `DistributedSampler`: each rank loads its shard | `experimental_distribute_dataset`: the global batch is split over the replicas; across workers each worker's copy of the pipeline is first auto-sharded (`AutoShardPolicy`: by files, else by elements: each of the W workers reads everything and keeps 1/W); `distribute_datasets_from_function`: each input pipeline feeds its replicas |
 # | batch size you set | per rank (`per_rank_batch`) | global for `experimental_distribute_dataset` and `fit`; for `distribute_datasets_from_function`: lab 05's stretch A |
 # | combining gradients | all-reduce **average**, in backward (buckets) | **sum** in `apply_gradients`, after the backward: by default, in a `tf.function`, all gradients packed into one collective all-reduce (`CommunicationOptions(bytes_per_pack=...)` splits it into packs; `ReductionToOneDevice` if you ask) |
 # | so the loss must be | the rank's mean (`reduce_mean` semantics) | scaled so that the replicas' SUM is one device's gradient (for full steps ÷ `global_batch`, §5's table; any step: lab 05 part 1) |
@@ -1304,6 +1327,7 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/include/tensorflow/compiler/xla/tsl/framework/contraction/eigen_contraction_kernel.h` — under `TENSORFLOW_USE_MKLDNN_CONTRACTION_KERNEL` Eigen's float contractions (matrix products, convolutions) can call oneDNN's `dnnl_sgemm`; `UseCustomContractionKernels()` decides at run time ("a runtime check, that uses environment variables"); `tensorflow/libtensorflow_cc.so.2` contains that symbol.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContextBase.all_reduce`: called inside `strategy.run`, every replica passes a value of the same shape and gets back the combination of all of them; all replicas must make the call, in the same order.
 # - `tensorflow/python/distribute/distribute_lib.py` — `InputContext`: `num_input_pipelines`, `input_pipeline_id`; `Strategy.distribute_datasets_from_function`: `dataset_fn` is called on each worker's CPU, one input pipeline per worker.
+# - `tensorflow/python/data/ops/dataset_ops.py` — `DatasetV2.cache(filename="")`: the elements are cached "either in the specified file or in memory" on the first iteration, and later iterations "use the cached data".
 # - `tensorflow/python/data/ops/options.py` — `OptimizationOptions.inject_prefetch` and `map_parallelization` both "default to True": a prefetch after the final `batch`, and a parallel `map`; `AutoShardPolicy`: AUTO "Attempts FILE-based sharding, falling back to DATA-based sharding"; DATA: "Each worker will process the whole dataset and discard the portion that is not for itself".
 # - `tensorflow/python/distribute/distribute_lib.py` — `Strategy.reduce` requires the cross-replica context (`_require_cross_replica_or_default_context_extended`) and calls `_reduce` → `reduce_to`, no merge call.
 # - `tensorflow/python/distribute/distribute_lib.py` — `ReplicaContext.merge_call`: replica-context code hands a function to the cross-replica context, which runs it once with all replicas' values; `tensorflow/python/distribute/mirrored_run.py` — `_MirroredReplicaContext._merge_call` records whether it was entered eagerly (`merge_call_entered_in_eager`), and `_call_for_each_replica` runs the merge function eagerly when it was entered eagerly (at each call), in the graph being traced otherwise.

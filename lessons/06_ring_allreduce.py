@@ -336,29 +336,30 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 # %% [markdown]
 # ## 3. α and β of this machine
 #
-# Now measure. We time `dist.all_reduce` on float32 tensors from 1 KiB to 16 MiB with 2 and 4
-# ranks (gloo over *loopback* TCP, 127.0.0.1) and fit the ring model t = 2(N−1)α + 2(N−1)/N·Kβ by
-# least squares on *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula
-# is a **model** of gloo, not a description we checked: gloo's C++ is compiled into torch and not
-# among the installed Python files. Its public source (`gloo/allreduce.cc`, function `ring`)
-# implements a segmented ring — a reduce-scatter then an all-gather. It cuts K into max(⌈K / 1
-# MiB⌉, 2N) segments (`kMaxSegmentSize`), rounded up to a multiple of N, pipelined; a step sends
-# 1/N of them. Up to K = 2N MiB a step is two of gloo's messages, and the **α fitted here is a
-# cost per ring step**, what the model's 2(N−1)α needs; above that a step is more messages (8 at
-# 16 MiB on 2 ranks), whose extra cost lands in β.
+# We time `dist.all_reduce` on float32 tensors from 1 KiB to 16 MiB with 2 and 4 ranks
+# (gloo over TCP, bound to the address the host name resolves to — loopback only as a fallback,
+# `GLOO_SOCKET_IFNAME` overrides it; on one machine the traffic stays on the loopback interface
+# whatever the address) and fit the ring model t = 2(N−1)α + 2(N−1)/N·Kβ by least squares on
+# *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula is a **model** of
+# gloo: gloo's C++ is compiled into torch, not installed as source. Its public source
+# (`gloo/allreduce.cc`, function `ring`) implements a segmented ring — a reduce-scatter then an
+# all-gather. It cuts K into max(⌈K / 1 MiB⌉, 2N) segments (`kMaxSegmentSize`), rounded up to a
+# multiple of N, pipelined; a step sends 1/N of them. Up to K = 2N MiB a step is two of gloo's
+# messages, and the **α fitted here is a cost per ring step**, what the model's 2(N−1)α needs; above
+# that a step is more messages (8 at 16 MiB on 2 ranks), whose extra cost lands in β.
 #
-# Two things on a small shared machine are not in that formula, and we handle both:
+# The formula leaves out two things of a small shared machine:
 #
-# * **Other programs.** Each size is timed several times, and a repetition can be slowed by
-#   anything else the machine runs. We fit the **fastest** repetition of each size, the least
-#   disturbed. (It also times §4's ring, taking turns with gloo's; the fit uses gloo's.)
-# * **Ranks sharing cores.** With more ranks than cores, ranks take turns on the cores, so every
-#   message and every copy takes longer by about N / cores. The model with a *contention term*
+# * **Other programs.** Anything else the machine runs can slow a repetition, so we fit each
+#   size's **fastest** repetition, the least disturbed. (It also times §4's ring, taking turns
+#   with gloo's; the fit uses gloo's.)
+# * **Ranks sharing cores.** With more ranks than cores, ranks take turns on them, so every
+#   message and copy takes about N / cores times as long. The model with a *contention term*
 #   multiplies the whole formula by max(1, N / C), with C the cores this process may use —
 #   still two parameters, α and β.
 #
-# We fit both models and also one (α, β) per N (which describes the measured N best, but cannot
-# predict another N), and print each one's relative error.
+# We fit both, plus one (α, β) per N (best on the measured N, unable to predict another), and
+# print each one's relative error.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1113,6 +1114,7 @@ viz.quiz(quizzes.questions("06"))
 # - `torch/_torch_docs.py` — `tensor_split`: the first `size % sections` pieces are one element longer — the chunking of `ring.chunk_bounds` and NumPy's `array_split`.
 # - `torch/nn/parallel/distributed.py` — `DistributedDataParallel`: gradients grouped in buckets (`bucket_cap_mb`), one all-reduce per bucket.
 # - `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py` — `allreduce_hook`: "Apply the division first", `tensor.div_(group_to_use.size())` before the all-reduce (DDP's default behaviour in Python form).
+# - `torch/include/torch/csrc/distributed/c10d/ProcessGroupGloo.hpp` — `createDefaultDevice`: "It tries to resolve this machine's hostname and bind to that address. If that fails … it falls back to binding to the loopback address"; `torch/lib/libtorch_cpu.so` (its strings, from `ProcessGroupGloo.cpp`): "Using the loopback address as fallback. Manually set the network interface to bind to with GLOO_SOCKET_IFNAME." `torch/distributed/rendezvous.py` — `_env_rendezvous_handler`: `MASTER_ADDR` (127.0.0.1 in `dpcourse.launch`) and `MASTER_PORT` make only the rendezvous store (`_create_c10d_store`).
 # - `torch/include/torch/csrc/distributed/c10d/gloo/ProcessGroupGlooDetail.hpp` — `AsyncAllreduceWork::allreduce`, torch's gloo all-reduce: it fills a `gloo::AllreduceOptions` without choosing an algorithm (no `setAlgorithm`) and calls `gloo::allreduce`, so gloo runs its default (`gloo/allreduce.cc` below).
 # - `tensorflow/python/distribute/parameter_server_strategy_v2.py` — `ParameterServerStrategyV2` (its docstring: variables made in its scope are "placed on parameter servers in a round-robin manner", or sharded across them with a `variable_partitioner`; and "By default, workers read and update these variables independently without synchronizing with each other. Under this configuration, it is known as asynchronous training."); `ParameterServerStrategyV2Extended._create_variable_round_robin`.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._batch_reduce_to` and `_make_collective_ops_with_fallbacks`: a step's gradients go to the cross-device ops in one batched call; by default `CollectiveAllReduce` with `RING` on CPUs.

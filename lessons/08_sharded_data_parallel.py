@@ -3,11 +3,10 @@
 #
 # **Prerequisites:** lesson 03 (averaging gradients with all-reduce), lesson 06 (an all-reduce
 # is a reduce-scatter followed by an all-gather) and lesson 07 (hooks during the backward).
-# New here, each explained in the section that teaches it (section 3's one launch already
-# runs them all): mixed precision
-# with an fp32 master copy of the weights, Adam's two states per parameter, a hook on a
-# tensor's gradient (`Tensor.register_hook`), `saved_tensors_hooks` (what autograd keeps for
-# the backward), freeing a tensor's memory by resizing its storage, and FSDP2's sharded parameters: a DTensor, its device mesh and its placements.
+# New here, each explained where it is taught: mixed precision with an fp32 master copy,
+# Adam's two states per parameter, `Tensor.register_hook`, `saved_tensors_hooks` (what
+# autograd keeps for the backward), freeing a tensor's storage, and FSDP2's DTensors (device
+# mesh, placements).
 #
 # **You will be able to:**
 # - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per
@@ -31,11 +30,9 @@
 # Data parallelism copies *everything* to every rank: weights, gradients, optimizer state. When
 # the model stops fitting, the answer that keeps it *data* parallel is to stop copying: each
 # rank keeps 1/N of the state and fetches the rest when it needs it. That is ZeRO (Rajbhandari
-# et al., SC 2020), in three stages; PyTorch's FSDP is stage 3 by default (kept gathered from
-# forward to backward it sends what stage 2 sends, one all-gather and one reduce-scatter, but
-# holds stage 3's memory at rest unless `set_reshard_after_backward(False)`). The code lives in
-# `dpcourse.zero` and `dpcourse.zero_experiments`; cells show what the claims run, folded
-# where it holds a lab's answer.
+# et al., SC 2020), in three stages; PyTorch's FSDP is stage 3 by default (section 6 says what
+# else it can be). The code lives in `dpcourse.zero` and `dpcourse.zero_experiments`; cells
+# show what the claims run, folded where it holds a lab's answer.
 
 # %% tags=["parameters"]
 world_size = None     # None: from the hardware profile (2 on the cpu profile)
@@ -763,7 +760,10 @@ claim("FSDP2's volume per step == the ZeRO-3 formula with its padding",
 # and one backward. Our `Zero3` frees every layer after its forward; FSDP2 keeps the root's
 # own parameters gathered after the forward, because the backward needs them at once: when
 # `reshard_after_forward` is left at its default, the root's first forward sets it to False
-# for the root. Above, every
+# for the root. False for every unit sends what stage 2 sends (one all-gather, one
+# reduce-scatter), still with stage 3's memory at rest. `set_reshard_after_backward(False)`
+# keeps weights gathered between micro-batches only: left on across a step, the next forward
+# reuses the stale gathered weights (`unshard` returns at once). Above, every
 # `Linear` was its own unit. Leave the last layer to the root and its parameters are
 # all-gathered once per step, not twice:
 
@@ -877,9 +877,9 @@ claim(f"the volume per optimizer step is {k} × that of one forward and backward
 # optimizer class, keep DDP. It assigns *whole parameters* to ranks, not equal slices, and
 # after its step each rank broadcasts the parameters it owns (so 3Ψ, not 2Ψ, in our
 # convention). This run is in fp32 with no master copy, so the full state is Adam's 8 bytes
-# per parameter, not section 1's 12. Last, both on section 4's frozen and tied run (FSDP2
-# refuses a tied parameter split across two parameter groups: `fsdp2_shard` puts both layers
-# in one `fully_shard([a, b])`):
+# per parameter, not section 1's 12. Last, FSDP2 and `ZeroRedundancyOptimizer` on section 4's
+# frozen and tied run (FSDP2 refuses a tied parameter split across two parameter groups:
+# `fsdp2_shard` puts both layers in one `fully_shard([a, b])`):
 
 # %%
 zro = [r["zero_redundancy"] for r in runs]
@@ -1031,7 +1031,8 @@ viz.quiz(quizzes.questions("08"))
 # - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` —
 #   `FSDPModule.set_requires_gradient_sync` (gradient accumulation without reduce-scatters)
 #   and `FSDPModule.set_reshard_after_backward` (keep the weights gathered between
-#   micro-batches).
+#   micro-batches, "during gradient accumulation"); `fully_shard`'s `reshard_after_forward`;
+#   `FSDPParamGroup.unshard`: `if self.is_unsharded: return  # no-op`.
 # - `torch/distributed/fsdp/_fully_shard/_fully_shard.py` —
 #   `FSDPModule.set_modules_to_forward_prefetch`: explicit forward prefetching.
 # - `torch/cpu/__init__.py` — `Stream` (lines 136–151): exists "only to facilitate

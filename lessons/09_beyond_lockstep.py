@@ -75,9 +75,11 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 # (`MPI_Allreduce`; Agarwal et al. 2011 trained linear models with one): one process holds
 # the weights; each worker **pulls** them,
 # computes a gradient on its part of the batch and **pushes** it back; the server steps.
-# Lesson 02's `nn.DataParallel` is a parameter server inside one machine: each step it
-# broadcasts the weights from device 0 (`device_ids[0]`), gathers the outputs there and sums
-# the gradients there (`comm.reduce_add`) for the one optimizer step.
+# Lesson 02's `nn.DataParallel` keeps a parameter server's state inside one machine: one copy
+# of the weights, on device 0 (`device_ids[0]`), and one optimizer step on the gradients summed
+# there (`comm.reduce_add`). Not necessarily its traffic: with NCCL, `reduce_add` hands the sum
+# to one `nccl.reduce` (lesson 02); only without NCCL is every GPU's gradient copied to device 0,
+# like a worker's push to §1's server.
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers,
 # with `dist.send` / `dist.recv`: one flat tensor per message, and a wrapper counts every
@@ -252,7 +254,7 @@ claim("and it trained: the test loss fell",
 # in (what is in flight then still lands: both end a little later, in the folded output
 # below). Synchronous, every round waits for the straggler; asynchronous, the fast
 # worker pulls, computes and pushes on its own. Each worker records when it computes, when it
-# waits (for the server's next message) and, the straggler, when it sleeps (pink below).
+# waits (for the server's next message) and, for the straggler, when it sleeps (pink below).
 # `straggler_race` (last below) runs both modes from the same weights `w0`, each timed from
 # a barrier, and evaluates their test losses.
 
@@ -344,24 +346,29 @@ with viz.folded_output("▶ more of this run: staleness, the waits' spread, the 
 # %%
 # NBVAL_IGNORE_OUTPUT
 # Why: the caption quotes this run's waiting shares, which depend on the machine's load.
-viz.show(viz.straggler_gantt_figure(
+gantt = viz.straggler_gantt_figure(
     {m: {w: race[w][m]["spans"] for w in (1, 2)} for m in ("sync", "async")}, applied,
-    race_cfg.budget),
+    race_cfg.budget)
+_, z_share, run_share = gantt.zoom_window   # viz.typical_window: a typical 20 ms of worker 1
+viz.show(gantt,
     f"The race's timeline: the same {race_cfg.budget:g} s, one slow worker (red; pink: its sleep). Synchronous: "
     f"the fast worker waits (grey) {waited['sync'][1]:.0%} of the time, for the straggler. Asynchronous: it still "
     f"waits {waited['async'][1]:.0%}, for the server's answers: {wait_med:.2f} ms for the median one, {wait_mean:.1f} "
     f"ms on average ({sum(long_ms) / sum(wait_ms):.0%} of its waiting in stalls over 10× the median); the server "
     f"applied {applied['async'] / applied['sync']:.1f}× as many gradients. In the top panels a "
     "computation too short to see is drawn 1.5 px wide, so their colours can overstate "
-    "computing; the bottom panel zooms into 20 ms of the asynchronous run (boxed above it), "
-    "every span at its true width: there the grey waits show. The percentages are the "
-    "measured shares.")
-viz.show_code(viz.straggler_gantt_figure, folded="▶ code: viz.straggler_gantt_figure")
+    "computing; the bottom panel zooms into a typical 20 ms of the asynchronous run (boxed "
+    f"above it), every span at its true width: the fast worker computes {z_share:.0%} of it, "
+    f"{run_share:.0%} over the run, and the grey waits show. Percentages: measured shares.")
+viz.show_code(viz.straggler_gantt_figure, viz.typical_window,
+              folded="▶ code: viz.straggler_gantt_figure, viz.typical_window")
 
 # %%
 # (this run's shares and counts are printed above; the margins hold on a loaded 2-core machine)
 claim("synchronous, the fast worker spends most of its time (more than half) waiting for the "
       "straggler", waited["sync"][1] > 0.5, waited=waited)
+claim("the zoomed 20 ms is typical: the fast worker computes within 15 points of its share "
+      "over the run there", abs(z_share - run_share) <= 0.15, z_share=z_share, run=run_share)
 claim("asynchronous, it waits less", waited["async"][1] < waited["sync"][1],
       waited=waited)
 claim("the gain is the accounting above: async applied = fast + straggler gradients, sync "
@@ -378,7 +385,7 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # stale (the largest staleness, claimed above). The losses above compare more gradients *and* more
 # steps of the same lr, not gradients alone (like for like would scale the lr; not run here);
 # at a larger step, staleness can make training
-# diverge — the question the rest of this section answers. The fast worker's
+# diverge — the rest of this section measures when a run ends above its start. The fast worker's
 # typical wait (the median, printed above) is an upper bound on the round trip itself (2K
 # numbers through gloo and the server's step). The spans record when the worker
 # waited, not why (a descheduled server, worker or other program).
@@ -428,7 +435,7 @@ claim(f"τ = 0 is synchronous SGD exactly: the same weights after {sim_steps} st
 # %% [markdown]
 # Now the sweep: every τ at every learning rate, the same batches, the same budget of
 # gradients. One run is one draw: the starting weights and the batch order come from a seed,
-# and a run near the edge of divergence can end on either side of it. So the sweep runs every
+# and a run near that boundary can end on either side of it. So the sweep runs every
 # cell with several seeds (`sweep_seeds`) and
 # counts how many **ended above their start** (the loss they started from): a run that
 # spiked late as well as one that grew without bound (the explorer below lets you look for
@@ -939,7 +946,8 @@ viz.quiz(quizzes.questions("09"))
 #   `Broadcast.backward` sums the gradients with `ReduceAddCoalesced` into that device
 #   (`ctx.input_device`); `torch/nn/parallel/comm.py` — `reduce_add`: `nccl.reduce` with
 #   `root=root_index`, the input already on `destination`, when `nccl.is_available(inputs)`,
-#   otherwise a `.to(destination)` and an add per other GPU; `scatter`, `gather`.
+#   otherwise a `.to(destination)` and an add per other GPU; `scatter`, `gather`;
+#   `torch/cuda/nccl.py` — `reduce`: one `torch._C._nccl_reduce` call, NCCL's own reduce.
 # - `torch/distributed/rpc/__init__.py` — `init_rpc`; `torch/distributed/rpc/api.py` —
 #   `rpc_sync`: remote calls between processes.
 # - TensorFlow 2.21: `tensorflow/python/distribute/parameter_server_strategy_v2.py` —

@@ -955,10 +955,13 @@ claim("once the squatter is gone, the port is free", detectors.port_owner(port) 
 
 # %% [markdown]
 # ## 5. On your own scripts: `python -m dpcourse diagnose`
-# Section 2's trace, hang report and stack dumps work on a torchrun-style script, unchanged (on
-# gloo; the stuck-call report needs blocking calls, section 1). Two of `diagnose()`'s options do
-# not carry over: the command has no monitored barrier (`monitor=`), and a script sets up its own group, so give
-# its `init_process_group` the `timeout` (`group_timeout=` is for worker functions).
+# Section 2's trace, hang report and stack dumps work on a torchrun-style script (on gloo; the
+# stuck-call report needs blocking calls, section 1), with one difference: a rank whose script
+# ends stays alive until every rank is done, so a peer waiting on it shows here as a HANG, where
+# under torchrun it fails within seconds ("Connection closed by peer", section 2). Two of
+# `diagnose()`'s options do not carry over: the command has no monitored barrier (`monitor=`),
+# and a script sets up its own group, so give its `init_process_group` the `timeout`
+# (`group_timeout=` is for worker functions).
 # `diagnose` starts it on N local ranks with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, traces
 # its collectives, bounds it with `--timeout`, and dumps the stuck ranks' stacks. Options go
 # before the script; `--detail` adds `TORCH_DISTRIBUTED_DEBUG=DETAIL`, `--json` prints the
@@ -988,7 +991,8 @@ for step in range(3):
     dist.all_reduce(grad)
     weights -= 0.1 * grad
     if rank == 0 and step == 1:
-        break          # rank 0 stops early: rank 1's next all_reduce waits forever
+        break  # rank 0 stops early: rank 1's next all_reduce waits, here until the timeout
+               # (under torchrun it fails within seconds)
 print("done", rank)
 ''')
 cli = subprocess.run([sys.executable, "-m", "dpcourse", "diagnose", "--timeout",
@@ -1350,7 +1354,9 @@ viz.quiz(quizzes.questions("10"))
 #   live peer that never sends: until the group's timeout (bug 2 above).
 #   `lib/dpcourse/launch.py` — `worker_entry`: under `spawn` a rank that returned waits on
 #   `release_conn.recv_bytes()` until every rank is done, which is why the other hangs above
-#   last until the time limit.
+#   last until the time limit, and why `diagnose` (section 5, `diagnose_worker` in
+#   `lib/dpcourse/detectors.py` runs the script with `runpy` inside such a rank) reports a peer
+#   of a rank whose script ended as a HANG.
 # - `torch/nn/modules/_functions.py` — `SyncBatchNorm.forward`: every rank's mean, inverse std
 #   and count are gathered, and `torch.batch_norm_gather_stats_with_counts` computes the global
 #   mean and inverse std and updates `running_mean` and `running_var` from them.

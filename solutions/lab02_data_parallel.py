@@ -201,8 +201,7 @@ lab02.check_prediction(guess)
 # `nn.DataParallel(model)` on 4 devices, what does `p.grad` hold? Choose one of
 # `lab02.HELD_CHOICES`: `"g"`, `"G + g"`, `"G + g/4"`, `"4G + g"`. The next cell runs the
 # lesson's `dp.data_parallel` on 4 CPU devices and compares: the course's own `dp.Broadcast`,
-# not torch's (torch's `Broadcast.forward` refuses CPU tensors), with replica 0 sharing the
-# module's storage as torch's does.
+# not torch's (torch's `Broadcast.forward` refuses CPU tensors).
 
 # %%
 ### BEGIN SOLUTION: set my_held_guess to your answer (one of lab02.HELD_CHOICES)
@@ -218,8 +217,8 @@ lab02.check_held_prediction(held_guess)
 # The step, with the contract at the top of the lab: every chunk through a plain copy of its
 # own (chunk 0's too: `model` itself runs no forward), the copies in threads, and afterwards
 # `model` as `nn.DataParallel`'s forward and backward would leave it, whatever state it arrived
-# in. Nothing ties a plain copy's parameters to `model`'s: what the real class gets by sharing
-# the module's tensors with replica 0 and by the broadcast's backward, your code does.
+# in. Nothing ties a plain copy's parameters to `model`'s: what the real class gets from the
+# broadcast and its backward, your code does.
 #
 # The rule that turns the copies' gradients into `model`'s is yours to work out; your two §3
 # measurements are your evidence (and a fresh copy's `p.grad` is one print away), and the check
@@ -339,7 +338,7 @@ lab02.check_state_predictions(*state_guesses)
 # `nn.DataParallel(model)` would leave them, the buffers still the tensor objects `model` held
 # before the step (as under `nn.DataParallel`, which never binds new ones to the module). The check builds the replicas with torch's own
 # `torch.nn.parallel.replicate` (only its device copy is stood in for on the CPU, by one that
-# hands the first device the tensors themselves, as torch's C++ `broadcast_coalesced` does),
+# does for every device what torch's C++ `broadcast_coalesced` does),
 # runs them in threads and compares; then it tries two more modules with the same buffers,
 # whose forwards treat them otherwise. It checks the state, and first reruns part 4's check on
 # your step (what part 4 asks must still hold).
@@ -364,7 +363,9 @@ lab02.check_state_predictions(*state_guesses)
 # %% [markdown]
 # <details><summary>▶ Hint 2 — the idea</summary>
 #
-# Replica 0 is handed the module's own buffer tensors, but in dicts of its own: a write *into*
+# Replica 0 is handed the module's own buffer tensors (torch's C++ `broadcast_coalesced`
+# returns the first device's tensors themselves; the check's CPU stand-in does the same), but
+# in dicts of its own: a write *into*
 # one of those tensors lands in the module; a new tensor (or int) bound to a name lands in the
 # replica's dict and goes when the replica goes. Your copy 0 can be built to hold `model`'s
 # buffer tensors the same way, or your code can keep, before the forward, the tensors copy 0

@@ -327,8 +327,8 @@ lab06.check_prediction(guess, measured)
 #
 # Here is the order with no decision in it: every rank *sends* with the blocking `dist.send`,
 # then receives (one exchange of the whole tensor is enough to show it). With gloo it hangs at
-# every size: gloo's TCP `Pair::send` (`gloo/transport/tcp/pair.cc`, github.com/
-# facebookincubator/gloo at cc44198) sends the data only if the peer has already posted its
+# every size: gloo's TCP `Pair::send` (`gloo/transport/tcp/pair.cc` in
+# github.com/facebookincubator/gloo at cc44198) sends the data only if the peer has posted its
 # receive, and otherwise queues the send in `localPendingSend_` until it has, however small the
 # message. So `dist.send` does not return until the neighbour has posted the matching receive,
 # and every neighbour is itself stuck in its own send. `lab06.demo_ring` runs it in separate processes, stops them after the timeout and tells

@@ -210,6 +210,18 @@ def test_lesson_09_figures_render():
     assert all(viz.figure_to_png(f).startswith(b"\x89PNG") for f in figs)
 
 
+def test_typical_window_skips_a_stall():
+    """The zoomed window is typical: half computing over the run, not the 10 ms stall."""
+    row = [("compute", 0.002 * i, 0.002 * i + 0.001) if j == 0 else
+           ("wait", 0.002 * i + 0.001, 0.002 * (i + 1)) for i in range(500) for j in (0, 1)]
+    row[500:520] = [("wait", 0.5, 0.52)]                   # a 20 ms stall at the middle
+    start, here, run = viz.typical_window(row, 1.0, zoom=0.02)
+    assert abs(here - run) <= 0.02 and not 0.48 < start < 0.52, (start, here, run)
+    fig = viz.straggler_gantt_figure({"async": {1: row, 2: [("compute", 0, 1.0)]}},
+                                     {"async": 1}, 1.0)
+    assert fig.zoom_window == (start, here, run)
+
+
 def test_local_sgd_drift_figure_draws_one_line_per_h():
     from dpcourse import viz
 

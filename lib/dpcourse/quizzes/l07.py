@@ -50,11 +50,11 @@ QUESTIONS = [
      "why": ["async_op=True returns before the all-reduce is done, on gloo too.",
              "Right: the copy back must come after the wait.",
              "The forward does no communication here."]},
-    {"q": "The fp16 hook sends half the bytes. What does PowerSGD with rank 1 send for a "
-          "1024 × 1024 weight gradient?",
+    {"q": "The fp16 hook sends half the bytes. What does PowerSGD with approximation rank 1 "
+          "send for a 1024 × 1024 weight gradient?",
      "options": ["512 × 1024 numbers", "1024 + 1024 numbers (P and Q)", "1 number"],
      "answer": 1,
      "why": ["That would be a 2x compression; PowerSGD's is far larger.",
              "Right: (n + m) r numbers, 512x fewer than the 1024² of the gradient.",
-             "Rank 1 keeps one column in P and one in Q, not a single number."]},
+             "Approximation rank 1 keeps one column in P and one in Q, not a single number."]},
 ]

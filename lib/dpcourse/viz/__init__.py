@@ -52,7 +52,8 @@ from .l08_sharded_data_parallel import (zero3_timeline_figure, zero_calculator_f
                                         zero_holdings_figure, zero_memory_figure,
                                         zero_tradeoff_figure)
 from .l09_beyond_lockstep import (large_batch_figure, local_sgd_drift_figure, local_sgd_figure,
-                                  ps_traffic_figure, staleness_figure, straggler_gantt_figure)
+                                  ps_traffic_figure, staleness_figure, straggler_gantt_figure,
+                                  typical_window)
 from .l10_bug_zoo import (collective_trace_figure, collective_traces_figure, nan_spread_figure,
                           replica_checksums_figure, timeout_behaviour_figure)
 from .l11_beyond_data_parallel import (bubble_figure, memory_wall_figure, mesh_2d_figure,

@@ -5,11 +5,12 @@ runs' test loss per epoch — in the lesson's order.
 
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 from .common import new_figure
 
-__all__ = ["ps_traffic_figure", "straggler_gantt_figure", "staleness_figure",
+__all__ = ["ps_traffic_figure", "typical_window", "straggler_gantt_figure", "staleness_figure",
            "local_sgd_drift_figure", "local_sgd_figure", "large_batch_figure"]
 
 
@@ -45,6 +46,37 @@ def ps_traffic_figure(numel: int, measured: dict, ns: Sequence[int] = range(2, 1
                    dict(left=0.15, right=0.97, bottom=0.14, top=0.95))
 
 
+def typical_window(row: list, budget: float, zoom: float = 0.02):
+    """The ``zoom``-second window of one worker's spans (``row = [(kind, start, end), ...]``)
+    (starting where one of its spans starts) whose computing share is within 2 points of the
+    share over its whole run (its compute spans' durations over all its spans' durations), the
+    one nearest the middle of the budget; if none is, the closest in share. Returns ``(start,
+    share in the window, share over the run)``.
+
+    Shown in lesson 09, §1."""
+    row = sorted(row, key=lambda s: s[1])
+    done = [0.0]                       # done[j]: computing before row[j] starts
+    for kind, a, b in row:
+        done.append(done[-1] + (b - a) * (kind == "compute"))
+    starts = [a for _, a, _ in row]
+
+    def computing_before(t):           # seconds of computing before time t
+        j = max(0, bisect.bisect_right(starts, t) - 1)
+        kind, a, b = row[j]
+        return done[j] + (min(max(t - a, 0), b - a) if kind == "compute" else 0)
+
+    run = done[-1] / sum(b - a for _, a, b in row)
+
+    def share(t):                      # the computing share of the window from t
+        return (computing_before(t + zoom) - computing_before(t)) / zoom
+
+    candidates = [a for a in starts if a + zoom <= row[-1][2]] or [row[0][1]]
+    close = [t for t in candidates if abs(share(t) - run) <= 0.02]   # within 2 points
+    start = (min(close, key=lambda t: abs(t - budget / 2)) if close
+             else min(candidates, key=lambda t: abs(share(t) - run)))
+    return start, share(start), run
+
+
 def straggler_gantt_figure(spans: dict, applied: dict, budget: float, zoom: float = 0.02):
     """One panel per mode (``spans[mode][worker] = [("compute" | "sleep" | "wait", start, end),
     ...]``, seconds from the mode's start): a row per worker, computing in colour (the slow
@@ -53,9 +85,10 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float, zoom: floa
     A computation narrower than 1.5 pixels and followed by a longer span (a fast worker's 0.7 ms
     before a long wait: 0.3 px) is drawn 1.5 px wide, on top, or antialiasing would erase it;
     a run of short spans is left as drawn, a blend of its colours. So a last panel (when
-    ``zoom`` is not 0) shows ``zoom`` seconds of the last mode from the middle of the budget
-    (boxed in its panel), where the short spans are many pixels wide: computing and waiting at
-    their true widths.
+    ``zoom`` is not 0) shows ``zoom`` seconds of the last mode (boxed in its panel), where the
+    short spans are many pixels wide: computing and waiting at their true widths. The window is
+    a typical one: :func:`typical_window` over the first worker, computing there about the
+    share it computes over the run (``fig.zoom_window = (start, window share, run share)``).
 
     Shown in lesson 09, §1."""
     modes = list(spans)
@@ -63,7 +96,10 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float, zoom: floa
     fig = new_figure(8.5, 1.2 + 1.1 * len(panels) * max(len(v) for v in spans.values()) / 2)
     colours = {"compute": "#1f77b4", "sleep": "#f7c6c7", "wait": "#d9d9d9"}
     left, right = 0.16, 0.98
-    z0 = budget / 2         # where the zoomed window starts
+    z0 = 0.0                # where the zoomed window starts: a typical window of worker 1
+    if zoom:
+        fig.zoom_window = typical_window(spans[modes[-1]][min(spans[modes[-1]])], budget, zoom)
+        z0 = fig.zoom_window[0]
     for i, mode in enumerate(panels):
         zoomed = i == len(modes)
         x0, shown = (z0, zoom) if zoomed else (0, budget * 1.15)   # the seconds the x axis spans
@@ -87,8 +123,9 @@ def straggler_gantt_figure(spans: dict, applied: dict, budget: float, zoom: floa
         ax.set_yticklabels([f"worker {w}" + (" (slow)" if w == workers[-1] else "")
                             for w in workers], fontsize=8)
         if zoomed:
-            ax.set_title(f"{mode}, zoomed: the {1e3 * zoom:g} ms from {z0:g} s (boxed above), "
-                         "short spans at their true widths", fontsize=9)
+            ax.set_title(f"{mode}, zoomed: the {1e3 * zoom:g} ms from {z0:.3f} s (boxed above),"
+                         f" worker {workers[0]} computing {fig.zoom_window[1]:.0%} of it "
+                         f"({fig.zoom_window[2]:.0%} over the run); true widths", fontsize=9)
             ax.locator_params(axis="x", nbins=5)
         else:
             ax.axvline(budget, color="black", ls=":", lw=1)
