@@ -27,8 +27,8 @@
 # 1. the four moves of a step — forward, loss, backward, step — and the one you must not forget;
 # 2. training for real: the loss falls and accuracy ends far above chance;
 # 3. throughput, and where a step's time goes;
-# 4. mixed precision (AMP): 16-bit arithmetic, same accuracy; faster only where the hardware
-#    has fast 16-bit units;
+# 4. mixed precision (AMP): 16-bit arithmetic, same accuracy; faster where the hardware has
+#    fast 16-bit units, or where memory traffic dominates (16-bit activations halve the bytes);
 # 5. seeds: when two runs are identical, and when they are not.
 #
 # The parameters cell below is what an instructor changes (with papermill, a tool that runs a
@@ -331,8 +331,10 @@ print(f"On this {device.type}, one intra-op thread, this run: " + train.compare_
     f"batch {smallest}", measured[smallest], f"batch {largest}", measured[largest], outliers=0))
 shape, steps = train.rate_shape(measured, outliers=0)   # each size against the next larger one
 reading = {"rising": "case 1 above, not yet saturated: the bigger matrices still paid off",
-           "plateau": "case 1 above: it paid off, then flattened (saturated, or a gain too "
-                      "small for these rounds to show)",
+           "plateau": f"case 1 above: batch {largest} beat batch {smallest}, and the gain "
+                      "flattened (saturated, or too small for these rounds to show)",
+           "rose, ends unclear": "no shape shown beyond the step that rose: case 1 and case 2 "
+                                 "alike could give these rounds",
            "ends differ": "no shape shown between the ends: a rise, a plateau or a peak "
                           "could give these rounds",
            "flat": "no shape shown: case 1 saturated by the smallest batch already, or "
@@ -343,6 +345,11 @@ print(f"Step by step, a step counted only if one size won all {rounds} rounds (n
     shape, "case 2 above: saturation alone would give a plateau, not a drop. What made a "
     "larger batch slower, this run does not say: it times whole steps, not what happens "
     "inside them (memory traffic, the kernels chosen for each shape)") + ".")
+ends = train.rate_verdict(measured[smallest], measured[largest], outliers=0)[0]
+claim(f"the reading agrees with the pair chosen in advance: a gain from batch {smallest} to "
+      f"{largest} (rising, plateau) is named only if batch {largest} won every round (here: "
+      f"that pair {ends}, shape {shape})",
+      shape not in ("rising", "plateau") or ends == "faster", shape=shape, ends=ends)
 fig = viz.new_figure(5.5, 3.2)
 ax = fig.add_subplot(1, 1, 1)
 ax.errorbar(list(batch_sizes), [rates[bs] for bs in batch_sizes],
@@ -563,7 +570,9 @@ claim("computed after the block, from the same 16-bit logits, it is 16-bit",
 # Is it faster? AMP pays off when big matrix
 # multiplications and convolutions dominate the step *and* the hardware has fast 16-bit units
 # (a GPU's *tensor cores*, NVIDIA's units built for small matrix multiplies in reduced
-# precision; some CPUs have bfloat16 units too). This model's layers are tiny, and
+# precision; some CPUs have bfloat16 units too), or when memory traffic dominates: 16-bit
+# activations halve the bytes that layers such as ReLU and pooling read and write. This
+# model's layers are tiny, and
 # the casts autocast inserts cost time of their own, so it can go either way. The last cells
 # time both on one intra-op thread, seven rounds, in an order drawn anew each round (each
 # goes first in about half of them), and say which was faster on this run by the batch sizes'
@@ -1040,3 +1049,5 @@ viz.quiz(quizzes.questions("01"))
 #   `torch.use_deterministic_algorithms(True, warn_only=True)`.
 # - PyTorch's documentation, "CPU threading and TorchScript inference": intra-op parallelism
 #   (`torch.set_num_threads`) against the threads a program starts itself.
+# - NVIDIA's documentation, "Automatic Mixed Precision" (docs.nvidia.com): besides tensor
+#   cores, it speeds up "memory-limited operations by accessing half the bytes".

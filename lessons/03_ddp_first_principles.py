@@ -475,8 +475,8 @@ else:
 #    skips the copy when the previous forward ran without gradients or inside `no_sync()`, a
 #    context in which a backward does not average the gradients (lesson 04 accumulates them
 #    with it); the buffers section measures both. The older switch, `broadcast_buffers`
-#    (deprecated since torch 2.13), also skips item 1's broadcast when `False`;
-#    `forward_sync_buffers=False` does not.
+#    (deprecated since torch 2.13), also leaves the buffers out of item 1's broadcast when
+#    `False` (the weights are still copied); `forward_sync_buffers=False` does not.
 # 3. **Autograd hooks and buckets.** The reducer hooks every parameter's gradient and groups
 #    the gradients into **buckets** of about `bucket_cap_mb` **MiB** (by default 25 MiB, and
 #    1 MiB for the first bucket, kept small "to reduce latency"; an explicit `bucket_cap_mb`
@@ -858,8 +858,8 @@ tail = {k: it["backward_end"] - max(t for _, t in it["grads"])
 print(f"after the last gradient, backward() waited for communication {tail['0']:.1f} ms in "
       f"iteration 0 (cold), {tail['warm']:.1f} ms in static_graph's iteration 1 (one bucket, "
       f"warm) and {tail['2']:.1f} ms in iteration 2: "
-      + ("shorter than the warm single bucket, where earlier buckets went out during the "
-         "backward." if tail["2"] < tail["warm"] else "not shorter than the warm single bucket "
+      + ("shorter than the warm single bucket in this run (one sample each: it shows no "
+         "cause)." if tail["2"] < tail["warm"] else "not shorter than the warm single bucket "
          "in this run, which reads rank 0's times only and so cannot tell waiting for rank 1 "
          "from sharing the cores with the backward."))
 
@@ -869,8 +869,8 @@ print(f"after the last gradient, backward() waited for communication {tail['0']:
 # memory, say); in iteration 2 it also carries the first buckets' all-reduces, on gloo's threads
 # (NCCL runs them on a GPU stream of its own). The time *after* the last gradient is communication the backward
 # could not hide: in iteration 0 the whole model in one bucket, also its process's first
-# all-reduce; in iteration 2 only what the last buckets still needed. The last line compares it
-# with the third panel's warm single bucket (timed, one sample each: not asserted). The overlap
+# all-reduce; in iteration 2 only what the last buckets still needed. The last line compares
+# iteration 2's tail with the third panel's warm single bucket (timed, one sample each: not asserted). The overlap
 # rests on the bucket's all-reduce being *asynchronous*: torch's `allreduce_hook` (our hook's)
 # runs `dist.all_reduce(..., async_op=True)`, and DDP's internal `_AllReduceBySumCommHook` (its
 # path without a hook) likewise returns a future from its `runHook`, so the backward goes on

@@ -166,17 +166,15 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # * **binomial tree**: a reduce in ⌈log₂N⌉ rounds (in each, half of the workers still holding
 #   a partial sum send all K bytes of it to a partner, which adds), then a broadcast of the sum
 #   back down the same rounds;
-# * **Rabenseifner's algorithm** (MPICH's choice for long messages, MPICH being a widely used
-#   MPI library), for N = p a power of two: a reduce-scatter (§1) by *recursive halving* in the
+# * **Rabenseifner's algorithm** (MPICH's choice for long messages; MPICH is an MPI library),
+#   for N = p a power of two: a reduce-scatter (§1) by *recursive halving* in the
 #   order Thakur, Rabenseifner and Gropp draw it (in round 1 each worker swaps half its array
 #   with the partner p/2 away and adds the half it keeps; in round 2 half of that half with the partner p/4 away, …), then an
 #   all-gather by *recursive doubling*, the same rounds backwards. A worker sends (p−1)K/p in
 #   each phase, 2(p−1)K/p in all — the ring's bytes — in 2log₂p steps, the tree's count. For
 #   other N, the N − p workers above the largest power of two p first hand their whole array to
-#   a partner and get the result back: one more K-byte step at each end. MPICH's code runs its
-#   reduce-scatter nearest partner first (1, 2, 4, … apart) and its all-gather in the reverse
-#   order, and folds the even ranks below
-#   2(N − p) onto rank + 1: the same cost in the model.
+#   a partner and get the result back: one more K-byte step at each end. MPICH's code takes the
+#   partners nearest first and folds other ranks: the same cost in the model.
 #
 # A step is one message per link, so α is a message's cost, except at the server: its link
 # takes N messages a step, priced at one α, as if they went at once at full rate, without
@@ -334,12 +332,11 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
          f"({ring.cost(best8_serverless, 8, 1e3, 0, 0).steps} steps).")
 
 # %% [markdown]
-# ## 3. α and β of this machine
+# ## 3. α and β of this machine, and which algorithm wins where
 #
 # We time `dist.all_reduce` on float32 tensors from 1 KiB to 16 MiB with 2 and 4 ranks
-# (gloo over TCP, bound to the address the host name resolves to — loopback only as a fallback,
-# `GLOO_SOCKET_IFNAME` overrides it; on one machine the traffic stays on the loopback interface
-# whatever the address) and fit the ring model t = 2(N−1)α + 2(N−1)/N·Kβ by least squares on
+# (gloo over TCP; on one machine its traffic stays on the loopback interface) and fit the ring
+# model t = 2(N−1)α + 2(N−1)/N·Kβ by least squares on
 # *relative* error (a 1 KiB point counts as much as a 16 MiB one). The formula is a **model** of
 # gloo: gloo's C++ is compiled into torch, not installed as source. Its public source
 # (`gloo/allreduce.cc`, function `ring`) implements a segmented ring — a reduce-scatter then an
@@ -358,8 +355,9 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 #   multiplies the whole formula by max(1, N / C), with C the cores this process may use —
 #   still two parameters, α and β.
 #
-# We fit both, plus one (α, β) per N (best on the measured N, unable to predict another), and
-# print each one's relative error.
+# We fit both, plus one (α, β) per N (lowest squared error on the measured N, unable to predict
+# another), and print each one's relative error: median, max and root mean square (rms), the one
+# the fits minimise; median and max can favour either model.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -403,9 +401,10 @@ per_n = ring.fit_alpha_beta_per_n(ns, ks, t_fastest)
 errors = {"one alpha, beta (plain ring model)": plain.relative_errors,
           f"with the contention term (C = {cores} cores)": fit.relative_errors,
           "one alpha, beta per N": np.concatenate([f.relative_errors for f in per_n.values()])}
+rms = {name: float(np.sqrt(np.mean(err ** 2))) for name, err in errors.items()}
 print("relative error of each model over the", len(t_fastest), "points:")
 for name, err in errors.items():
-    print(f"  {name:>42}: median {np.median(err):.0%}, max {err.max():.0%}")
+    print(f"  {name:>42}: median {np.median(err):.0%}, max {err.max():.0%}, rms {rms[name]:.0%}")
 print(f"the contention model: alpha = {fit.alpha * 1e6:.1f} us per ring step, "
       f"1/beta = {fit.bandwidth / 1e9:.2f} GB/s (effective: additions included)")
 viz.show(viz.fit_figure(fit), "the fastest measured all-reduce times (points) against the α-β "
@@ -421,6 +420,8 @@ claim("1/β (effective) is a sane bandwidth: between 1 MB/s and 1 TB/s", 1e6 < f
 claim("with the contention term, half the measured points are within 50% of the model "
       "(median relative error < 50%)", np.median(fit.relative_errors) < 0.5,
       errors=fit.relative_errors)
+claim("one (α, β) per N has the lowest rms relative error (what each fit minimises)",
+      all(rms["one alpha, beta per N"] <= r * (1 + 1e-9) for r in rms.values()), rms=rms)
 
 # %% [markdown]
 # **▶ The fit's code** (click the folded cell below: `ring.fit_alpha_beta`, least squares on
@@ -593,10 +594,11 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 
 # %% [markdown]
 # So for big messages the model picks Rabenseifner's at every power of two. Why then does
-# torch's gloo backend ring (gloo has halving-doubling too, but `ProcessGroupGloo` takes its
-# default, the ring), and NCCL (NVIDIA's GPU collectives, DDP's backend there) ring among other
-# choices (the folded cell below)? The model gives every
-# pair of workers a link of its own at full speed. Where links are shared — GPUs on one PCIe bus,
+# torch's gloo backend ring (gloo's `allreduce` offers a ring, its default, which torch uses, and
+# BCube; its halving-doubling is a separate, older class torch does not call), and NCCL
+# (NVIDIA's GPU collectives, DDP's backend there) ring among other choices (the folded cell
+# below)? The model gives every pair of workers a link of its own at full speed. Where links
+# are shared — GPUs on one PCIe bus,
 # servers behind network switches — some of Rabenseifner's rounds, in either order, pair
 # workers far apart, whose messages cross links other pairs use at the same time, a cost the
 # model does not see; a ring only uses its neighbours' links, in an order that can follow the
@@ -608,8 +610,8 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 # %% [markdown]
 # <details><summary>▶ open</summary>
 #
-# NCCL does not only ring. For each call its *tuner* (its own cost model of the message size
-# and the machine's topology) picks one of several algorithms:
+# For each call NCCL's *tuner* (its own cost model of the message size and the machine's
+# topology) picks one of several algorithms:
 #
 # * **ring**, as here;
 # * **tree**: not §2's binomial tree. It cuts the message into small segments and pipelines them
@@ -623,8 +625,7 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 #   whose GPUs are joined by an *NVSwitch* (a switch chip that links every GPU of the server to
 #   every other at full NVLink speed) that supports *SHARP* (NVIDIA's in-switch reduction: the
 #   switch adds what passes through it); **NVLS_TREE**, NVLS inside servers and a tree across
-#   them; and **CollNet**, where the network's own switches add, reached through a *network
-#   plugin* (a library NCCL loads to drive that network).
+#   them; and **CollNet**, where the network's own switches add.
 #
 # On an NVSwitch server every pair of GPUs does have a full-speed path, so the shared-link
 # argument above does not hold there — and NCCL can leave the adding to the switch.
@@ -1125,7 +1126,7 @@ viz.quiz(quizzes.questions("06"))
 # - NVIDIA nccl-tests, `doc/PERFORMANCE.md` (github.com/NVIDIA/nccl-tests): the definitions of algbw and busbw used in the table.
 # - Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast, reduction and scan" (Parallel Computing, 2009), and NVIDIA's NCCL 2.4 announcement: the double binary tree.
 # - NCCL 2.30.7, the version installed beside torch (`nvidia_nccl_cu13-2.30.7`: the compiled library and its public headers, not its source); its source at github.com/NVIDIA/nccl, tag v2.30.7-1: `src/graph/connect.cc` — `ncclTopoPreset` (lines 53-62: inside a server a tree channel's `up` is the previous GPU of `treeIntra` and `down[0]` the next, a chain) and `connectTrees` (lines 138-176: the double tree `ncclGetDtree(nNodes, node, …)` over the servers, depth `nRanks / nNodes - 1 + log2i(nNodes)`); `src/graph/trees.cc` — `ncclGetDtree`; `src/device/all_reduce.h` — `runTreeUpDown` and `runTreeSplit` (the tree all-reduce: a reduce pass up the tree, `FanAsymmetric<NCCL_MAX_TREE_ARITY, 1>`, then a broadcast pass down, `FanAsymmetric<1, NCCL_MAX_TREE_ARITY>`); `src/graph/search.cc` — `ncclTopoSearchRecNet` (line 736: the search for a new channel tries the NICs from `nets[(graph->nChannels + i) % netCount]`, the next NIC for each new ring; a NIC is skipped when less than a channel's bandwidth is left on it, line 739, and each channel placed on it takes that much, lines 747-751); `src/graph/tuning.cc` — the tuner's bandwidth for a ring over more than two servers (line 306: `bw = bwInter`, the per-channel network bandwidth; line 324: `busBw = nChannels * bw`) and its latency model (line 416: the tree's all-reduce `2 * ((nRanks / nNodes - 1) * intraLat + log2i(nNodes) * interLat)`; line 298: PAT is skipped for all-reduce); `src/include/plugin/nccl_tuner.h` lines 27-34 — the algorithms Tree, Ring, CollNet Direct, CollNet Chain, NVLS, NVLS_TREE, PAT; `src/transport/nvls.cc` — "NVLink SHARP (NVLS)", enabled where the device reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
-# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 287-295: each received segment is added into the output on the rank's CPU, `reduceInputs` and `opts.reduce`, inside the loop; lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded bullet above this list); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
+# - gloo, `gloo/allreduce.cc` (github.com/facebookincubator/gloo at cc44198, May 2025; vendored in PyTorch's `third_party/gloo`, compiled into torch, not installed as source): `ring`, the segmented ring all-reduce (lines 287-295: each received segment is added into the output on the rank's CPU, `reduceInputs` and `opts.reduce`, inside the loop; lines 209-218: `numSegments = roundUp(max(⌈K / maxSegmentBytes⌉, 2N), N)`, `numSegmentsPerRank = numSegments / N` a step, segments of at most `kMaxSegmentSize` = 1 MiB from `gloo/allreduce.h`; how many segments it keeps in flight: the folded bullet above this list); `allreduce`: `switch (opts.algorithm)` runs `ring` for `UNSPECIFIED` and `RING`, `bcube` for `BCUBE`; gloo also ships `gloo/allreduce_halving_doubling.h` (`AllreduceHalvingDoubling`, a separate older class that no header under `torch/include/torch/csrc/distributed/` names) and `gloo/allreduce_bcube.h`. `gloo/transport/tcp/pair.cc` — `Pair::send` (unbound buffer) sends the data only once the peer has announced a posted receive (`NOTIFY_RECV_READY`, handled in `Pair::handleRemotePendingRecv`: "sends cannot execute until the remote side is ready to receive"); otherwise the send waits in `localPendingSend_`.
 # - Thakur, Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA, 2005): ring, tree, Rabenseifner's reduce-scatter + all-gather (recursive halving and doubling, partners p/2 apart first; the extra step for N not a power of two) and their α-β costs; recursive doubling, lg p(α + nβ + nγ), MPICH's all-reduce for short messages; γ, the time per byte of the reduction's arithmetic.
 # - MPICH's source (github.com/pmodels/mpich), `src/mpi/coll/allreduce/allreduce_intra_reduce_scatter_allgather.c`, `MPIR_Allreduce_intra_reduce_scatter_allgather` ("Rabenseifner's Algorithm"): halving from distance 1 (`mask = 0x1`, doubled each round), then the all-gather back from distance pof2/2 (`mask >>= 1`, halved each round); even ranks below 2·rem send to rank + 1.
 # - Chan, Heimlich, Purkayastha, van de Geijn, "Collective communication: theory, practice, and experience" (Concurrency and Computation: Practice and Experience 19(13), 2007): the lower bounds of an all-reduce under the α-β model, ⌈log₂N⌉α for latency and 2(N−1)/N·Kβ for bandwidth; its cost model adds γ per byte for the additions.

@@ -428,8 +428,9 @@ viz.show(viz.reducer_figure(),
 #   layer is registered before one it follows. DDP's default ones, rebuilt once from the first
 #   backward's order: when a later backward's order differs, say a branch using every
 #   parameter in another order. (Under the default `find_unused_parameters=False`, a parameter
-#   left without a gradient silently stops its bucket's reduction: that step runs on
-#   un-averaged gradients, and only the *next* forward raises: lesson 04 §10.)
+#   left without a gradient silently stops its bucket's reduction and, launched in order,
+#   every later bucket's; the callback that ends the backward never runs, so that step runs
+#   on un-averaged gradients, and only the *next* forward raises: lesson 04 §10.)
 # - **Gradients as views** (`gradient_as_bucket_view=True`): the reducer makes each `p.grad` a
 #   view of its slice of the bucket, so the all-reduced buffer *is* the averaged gradient: no
 #   copy back. If `p.grad` is zeroed in place (`zero_grad(set_to_none=False)`), autograd then
@@ -449,10 +450,9 @@ viz.show(viz.reducer_figure(),
 # backward, C all the all-reduces, C_last the last bucket's, which cannot start before the
 # backward ends. The clean test, "When the wire takes (almost) no CPU" (a simulated
 # network), prints the model's predicted saving beside the measured one. Before it come the runs
-# (the model takes its compute times from their `local` control) and the model; after it, the messy
-# case ("Back to the real wire"): gloo's all-reduces run on the backward's cores (the setup cell
-# printed how many), so they may show no clear gain and times off the prediction — this
-# machine's wire, not overlap failing.
+# and the model; after it, the messy case ("Back to the real wire"): gloo's all-reduces share
+# the backward's cores, so they may show no clear gain — this machine's wire, not overlap
+# failing.
 #
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
 # is in many matrices — 64 `Linear` layers of width 300 (the first, 3072 × 300, is the
@@ -842,7 +842,8 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 # (the first claim above); the verdict above says whether the whole step was clearly faster,
 # and the backward's paired differences whether the compute stayed undisturbed, as the model
 # assumes. The model's test uses the rounds' own backward and the saving in backward + wait
-# (the model has no forward); it passes within this run's noise, printed above.
+# (the model has no forward); it passes only within this run's noise: the line above says
+# whether it did.
 #
 # The bound also says **when** overlap can pay: once the **compute-to-communication ratio
 # B / C is about 1 or more**, it *can* hide all but the last bucket; how much it does depends
@@ -909,7 +910,8 @@ noise_ms = statistics.median(abs(a - b) * 1e3 for a, b in yard)                 
 # The paragraph is written from this run's numbers, which change from run to run.
 display(Markdown(
     f"**What this run says.** Against its control, overlap clearly saved time at "
-    f"{', '.join(paid) or 'no cap'}, clearly cost time at {', '.join(cost) or 'no cap'}, and "
+    f"{', '.join(paid) or 'none of the caps'}, clearly cost time at "
+    f"{', '.join(cost) or 'none of the caps'}, and "
     f"made no clear difference at the other {len(model_rows) - len(paid) - len(cost)} caps"
     f"{'' if yardstick_ok else ' (weak: identical work got a clear verdict too, above)'}. "
     f"With the 4 MiB buckets' all-reduces in flight the backward took {slowed:.1f} ms against "
@@ -1527,11 +1529,9 @@ claim("set_to_none=True: in every step autograd wrote a fresh tensor, elsewhere 
 # - Overlap is a prediction you can test: the early buckets' all-reduces run under the
 #   backward, and save at most min(B, C − C_last) — nothing with one bucket. At B / C ≳ 1 it
 #   can hide all but the last bucket at most, as the buckets' ready times allow; below that it
-#   still saves up to B. The model has no term for gloo and the backward sharing the CPU's
-#   cores: section 4 prints its prediction beside what the run measured, and its noise floor;
-#   with a simulated wire that takes (almost) no CPU, the messages go on the wire under the
-#   backward, the model's saving (from the rounds' own backward) is printed beside the measured
-#   one, and section 4's sign test says whether that run's step was clearly faster.
+#   still saves up to B. The model has no term for gloo sharing the backward's cores; with a
+#   simulated wire that takes (almost) no CPU, section 4 prints its predicted saving beside
+#   the measured one, judged against the run's own noise.
 # - Communication hooks change what is sent: 16-bit halves the bytes and, in these short runs,
 #   ends within 0.15 of the uncompressed loss (a loose bound: the loss falls only a few tenths
 #   in 120 steps); PowerSGD sends a few percent and still learns, more slowly; its error

@@ -760,8 +760,8 @@ claim("FSDP2's volume per step == the ZeRO-3 formula with its padding",
 # and one backward. Our `Zero3` frees every layer after its forward; FSDP2 keeps the root's
 # own parameters gathered after the forward, because the backward needs them at once: when
 # `reshard_after_forward` is left at its default, the root's first forward sets it to False
-# for the root. False for every unit sends what stage 2 sends (one all-gather, one
-# reduce-scatter), still with stage 3's memory at rest. `set_reshard_after_backward(False)`
+# for the root. `reshard_after_forward=False` on every unit sends what stage 2 sends (one
+# all-gather, one reduce-scatter), still with stage 3's memory at rest. `set_reshard_after_backward(False)`
 # keeps weights gathered between micro-batches only: left on across a step, the next forward
 # reuses the stale gathered weights (`unshard` returns at once). Above, every
 # `Linear` was its own unit. Leave the last layer to the root and its parameters are
@@ -843,8 +843,8 @@ claim("FSDP2's post_backward saves the gradients, frees the full weights (reshar
 # (*implicit* prefetching); `set_modules_to_forward_prefetch` names groups to all-gather early
 # (*explicit*). In the backward each group by default issues the next group's all-gather
 # before computing its own gradients. Reduce-scatters get a stream of their own. On a CPU,
-# `torch.cpu.Stream`'s methods do nothing and gloo returns from a collective only when it is
-# done: so, by the source (not timed here), every FSDP2 run ran one collective after another,
+# `torch.cpu.Stream`'s methods do nothing and gloo, called with `async_op=False` as FSDP2 calls
+# it, returns only when the collective is done: so, by the source (not timed here), every FSDP2 run ran one collective after another,
 # like our `Zero3`.
 #
 # Both counts assume one forward and one backward per optimizer step. With gradient

@@ -77,8 +77,8 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 # computes a gradient on its part of the batch and **pushes** it back; the server steps.
 # Lesson 02's `nn.DataParallel` keeps a parameter server's state inside one machine: one copy
 # of the weights, on device 0 (`device_ids[0]`), and one optimizer step on the gradients summed
-# there (`comm.reduce_add`). Not necessarily its traffic: with NCCL, `reduce_add` hands the sum
-# to one `nccl.reduce` (lesson 02); only without NCCL is every GPU's gradient copied to device 0,
+# there (`comm.reduce_add`). Not necessarily its traffic: with NCCL, one `nccl.reduce` computes
+# that sum (lesson 02's Sources); only without NCCL is every GPU's gradient copied to device 0,
 # like a worker's push to §1's server.
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers,
@@ -770,14 +770,15 @@ print(f"This run (one seed), the H best first: by test loss {by_loss}, by accura
       "run is one draw (why §2 ran several seeds): seed noise is not measured here, so this "
       "lesson ranks no H above another by these numbers.")
 claim(f"with {local_hs[-1]}× fewer averages, H = {local_hs[-1]} kept {kept:.0%} of H = 1's "
-      f"test-loss reduction ({start_loss_l:.3f} → {losses[-1]:.3f}, against → {losses[0]:.3f}; at "
-      "least 70 %)", kept >= 0.7, kept=kept)
+      f"test-loss reduction in {local_steps} steps ({start_loss_l:.3f} → {losses[-1]:.3f}, "
+      f"against → {losses[0]:.3f}; at least 70 %)", kept >= 0.7, kept=kept)
 
 # %% [markdown]
 # The shards here are drawn from one distribution (IID), where local SGD is at its best: the
-# drift grows with H, yet the average of the drifted replicas still kept most of H = 1's
-# progress in test loss (the claim above, one seed; the rankings printed above it are one
-# draw). Even H = 1 drifts: at this large step (lr 0.5) one step on a rank's own half-batch already moves it away from the average. With non-IID
+# drift grows with H, yet the average of the drifted replicas kept most of H = 1's progress
+# in test loss (the claim above, one seed). But only in the first 128 steps: early training,
+# where local SGD costs most (Lin et al.), which is why post-local SGD (above) starts
+# synchronously. Even H = 1 drifts: at this large step (lr 0.5) one step on a rank's own half-batch already moves it away from the average. With non-IID
 # shards (federated learning) or a larger step the replicas drift further (not run here): H
 # is a knob, like τ above.
 #
@@ -878,7 +879,7 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   (with momentum and weight decay too), not for Adam (measured), the bytes sent fall as
 #   1/H (the all-reduces less: one bucket in DDP, one per tensor here), the
 #   replicas drift further apart as H grows (measured), and on IID shards H = 32 still kept
-#   more than 70 % of H = 1's test-loss reduction here (one seed; §3 prints how accuracy ranks the H too). Torch ships it
+#   more than 70 % of H = 1's test-loss reduction in these first 128 steps (one seed; §3 prints how accuracy ranks the H too). Torch ships it
 #   (`PeriodicModelAverager`, post-local SGD); DiLoCo adds an outer Nesterov step on the
 #   averaged change.
 # - With SGD (here with momentum) and below the critical batch size, a k× larger batch takes a

@@ -1330,7 +1330,7 @@ with viz.folded_output("▶ TP msgs per layer — open after your lab passes"):
 # `grad_bytes=4`). With `--fp16` the gradients stay 16-bit on the wire, but the optimizer
 # gives its fp32 main weights an fp32 copy of them (`_copy_model_grads_to_main_grads`):
 # 2 + 2 + 4 + 12 = 20 bytes, the copy sharded with the optimizer state, as Megatron-LM's
-# table's "4 + 16/d" (`optimizer_bytes=16`):
+# table's "4 + 16/d", its d the data-parallel size, our D (`optimizer_bytes=16`):
 
 # %%
 options32 = planner.plan(model, cluster, published["global_batch"], grad_bytes=4)

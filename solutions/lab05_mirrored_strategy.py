@@ -329,7 +329,7 @@ print("steps run:", len(losses))
 assert all(np.isfinite(losses)) and all(0 < l < 5 for l in losses)
 
 # %% [markdown]
-# ## Stretch A (optional): each replica's own input pipeline
+# ## Stretch A (optional): your own input pipeline (one per worker)
 #
 # A workshop can stop here. `experimental_distribute_dataset` split global batches for you. With
 # `strategy.distribute_datasets_from_function(dataset_fn)` you write the input pipeline

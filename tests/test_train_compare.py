@@ -1,5 +1,7 @@
 """dpcourse.train.compare_rates: a timing sentence says "faster" only when the runs do not overlap."""
 
+import statistics
+
 import pytest
 
 from dpcourse.train import compare_rates, rate_verdict
@@ -9,7 +11,7 @@ def test_faster_slower_and_overlap():
     assert compare_rates("a", [1, 2, 3], "b", [4, 5, 6]).startswith("b was faster than a in every run")
     assert compare_rates("a", [4, 5, 6], "b", [1, 2, 3]).startswith("b was slower than a in every run")
     s = compare_rates("a", [1, 3], "b", [2, 4])
-    assert s.startswith("no clear difference") and "1.50x" in s
+    assert s.startswith("no clear difference") and "1.67x" in s  # rounds' ratios 2 and 4/3
     # touching ranges are not a clear difference either
     assert compare_rates("a", [1, 2], "b", [2, 3]).startswith("no clear difference")
 
@@ -23,6 +25,16 @@ def test_one_outlier_round_does_not_hide_a_clear_difference():
     # with 3 rounds one lost round is too much; two lost rounds of 5 too
     assert compare_rates("a", [10, 10, 10], "b", [12, 12, 1]).startswith("no clear difference")
     assert compare_rates("a", [10] * 5, "b", [12, 12, 1, 1, 12]).startswith("no clear difference")
+
+
+def test_a_paired_effect_points_the_way_the_rounds_voted():
+    # the machine's speed moved between rounds: b lost 4 of 5 rounds, yet b's median is the
+    # larger (49 against 10); the printed effect is the median round's own ratio, below 1
+    a, b = [10, 50, 50, 10, 10], [9, 49, 49, 100, 9]
+    assert statistics.median(b) / statistics.median(a) > 1
+    s = compare_rates("a", a, "b", b)
+    assert s.startswith("b was slower than a in all but one of 5 rounds"), s
+    assert "median round: 0.98x a's speed" in s, s
 
 
 def test_pairs_cancel_a_slow_moment_shared_by_both():
@@ -127,5 +139,11 @@ def test_rate_shape_names_the_steps_it_sees():
                                   64: [0.5, 0.5, 0.5, 0.5, 1, 1, 1]})
     assert shape == "ends differ" and sentence.startswith("showed no clear change from batch 16 to 64;"), sentence
     assert sentence.endswith("batch 64 faster than batch 16: the shape in between is not shown")
+    # a step rose, none fell, but the largest did not beat the smallest: neither "rising" nor
+    # "plateau" (lesson 01 once read such a run as "it paid off" beside "no clear difference")
+    shape, sentence = rate_shape({4: same, 16: up, 256: [1] * 6 + [3]}, outliers=0)
+    assert shape == "rose, ends unclear" and "paid off" not in sentence, sentence
+    assert sentence.endswith("a rise is shown only from batch 4 to 16, not from the smallest "
+                             "batch to the largest"), sentence
     with pytest.raises(ValueError, match="two batch sizes"):
         rate_shape({16: same})

@@ -27,9 +27,11 @@ import faulthandler
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,10 +280,20 @@ class Diagnosis:
 
 def user_frames(dump: str) -> list[str]:
     """file:line (function) of the frames outside torch, the course's plumbing and
-    multiprocessing in a ``faulthandler`` dump, from the first thread that has any (the main
-    thread: the others are torch's), outermost first. Shown in lesson 10, §2.
+    multiprocessing in a ``faulthandler`` dump, outermost first: the main thread's, named by
+    the ``# main thread: 0x...`` line :func:`diagnose_worker` writes first (the rank's other
+    Python threads, launch's watcher among them, wait elsewhere); without that line, the first
+    thread that has any. Shown in lesson 10, §2.
     """
-    for block in dump.split("\n\n"):
+    blocks = dump.split("\n\n")
+    main = re.search(r"^# main thread: (0x[0-9a-fA-F]+)", dump, re.M)
+    if main:
+        ident = int(main.group(1), 16)
+        mine = [b for b in blocks
+                if (head := re.search(r"hread (0x[0-9a-fA-F]+)", b)) and int(head.group(1), 16)
+                == ident]
+        blocks = mine or blocks
+    for block in blocks:
         out = []
         for line in block.splitlines():
             line = line.strip()
@@ -318,6 +330,9 @@ def diagnose_worker(rank, world_size, target, args, tracedir, dump_after, debug_
                  {"timeout": datetime.timedelta(seconds=group_timeout)})
         dist.init_process_group(backend, rank=rank, world_size=world_size, **extra)
     stack_file = open(Path(tracedir) / f"rank{rank}.stack", "w")
+    # which of the dumped threads is the one running the target (user_frames reads it)
+    stack_file.write(f"# main thread: {threading.main_thread().ident:#x}\n")
+    stack_file.flush()
     faulthandler.dump_traceback_later(dump_after, exit=False, file=stack_file)
     try:
         with trace_collectives(Path(tracedir) / f"rank{rank}.trace", monitor=monitor):

@@ -71,9 +71,10 @@ def cost(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> Co
     messages (8 at 16 MiB on 2 ranks), and what each extra one costs lands in beta.
 
     * naive: 2(N-1) messages of K, one after another, all through worker 0: 2(N-1)(a + Kb).
-    * parameter-server: one unsharded server; one push round and one pull round, but N*K bytes
-      through its link each way: 2a + 2NKb (the link carries NK in and NK out; we count the
-      critical path, in then out). S servers, each holding K/S, would carry NK/S each.
+    * parameter-server: one unsharded server; one pull round and one push round, but N*K bytes
+      through its link each way: 2a + 2NKb (the link carries NK out and NK in; we count the
+      critical path, out then in, as ps_sync_server runs it). S servers, each holding K/S,
+      would carry NK/S each.
     * ring: 2(N-1) steps of K/N bytes: 2(N-1)a + 2(N-1)/N K b. Each rank sends 2(N-1)K/N to
       one neighbour and receives as much from the other (a one-directional ring: each link
       between neighbours carries 2(N-1)K/N one way), which grows with N (K at N = 2, 1.75K at
@@ -274,8 +275,10 @@ def fit_alpha_beta(world_sizes, nbytes, seconds, cores: float | None = None) -> 
 
 
 def fit_alpha_beta_per_n(world_sizes, nbytes, seconds) -> dict:
-    """One plain :func:`fit_alpha_beta` per world size: ``{N: AlphaBetaFit}``. It describes the
-    measured N best, but predicts nothing for an N it has not seen.
+    """One plain :func:`fit_alpha_beta` per world size: ``{N: AlphaBetaFit}``. On the measured N
+    its sum of squared relative errors is the lowest (both fits of :func:`fit_alpha_beta`, with
+    and without ``cores``, are special cases of it), but it predicts nothing for an N it has not
+    seen.
 
     Shown in lesson 06, §3."""
     n = np.asarray(world_sizes, dtype=float).ravel()

@@ -4,8 +4,8 @@
 order below holds whichever of them a notebook imports first. Importing TF does not fix its
 devices (``dpcourse.devices.split_tf_devices`` still works afterwards).
 
-TensorFlow's chatter (C++ log lines, "INFO:tensorflow", progress bars) would break the
-notebooks' stored outputs, so this module sets ``TF_CPP_MIN_LOG_LEVEL=2`` and
+TensorFlow's chatter (C++ INFO and WARNING lines, "INFO:tensorflow", progress bars) would break
+the notebooks' stored outputs, so this module sets ``TF_CPP_MIN_LOG_LEVEL=2`` and
 ``TF_ENABLE_ONEDNN_OPTS=0`` (only if unset) before it imports TensorFlow, and lowers TF's Python
 logger to ERROR: the one side effect of importing it, and the reason it is here and not in each
 notebook cell.
@@ -21,8 +21,9 @@ __all__ = ["tf", "keras", "set_quiet_environment"]
 
 def set_quiet_environment() -> None:
     """Set TensorFlow's two environment defaults, each only if unset: ``TF_CPP_MIN_LOG_LEVEL=2``
-    (no C++ log lines) and ``TF_ENABLE_ONEDNN_OPTS=0`` (no oneDNN custom operations). This
-    module calls it once, when it is imported, before it imports TensorFlow.
+    (no INFO or WARNING lines from TF's C++; errors still print) and ``TF_ENABLE_ONEDNN_OPTS=0``
+    (no oneDNN custom operations). This module calls it once, when it is imported, before it
+    imports TensorFlow.
 
     Shown in lesson 05, §1.
     """

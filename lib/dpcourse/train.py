@@ -347,26 +347,33 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b, outliers: int = 1) -
     a pair. "faster in every run" needs at least 3 rounds, all won; "in all but one" needs at
     least 5 rounds and tolerates one outlier round. Unequal counts fall back to comparing the
     ranges: "in every run" only when they do not overlap. Anything else is "no clear
-    difference" (:func:`rate_verdict` decides). The ratio printed is median(b) / median(a);
-    for interleaved rounds, so is the sign test's p (:func:`sign_test_p`): at 7 rounds "all
-    but one" has p = 0.125, at 5 rounds 0.375 — one outlier tolerated costs that much;
-    ``outliers=0`` tolerates none (every round of 7: p = 0.0156).
+    difference" (:func:`rate_verdict` decides). For interleaved rounds the ratio printed is the
+    median of the rounds' own ratios b / a, which always points the way the rounds voted (the
+    ratio of the two medians can point the other way when the machine's speed drifts), and so
+    is the sign test's p (:func:`sign_test_p`): at 7 rounds "all but one" has p = 0.125, at 5
+    rounds 0.375 — one outlier tolerated costs that much; ``outliers=0`` tolerates none (every
+    round of 7: p = 0.0156). Unequal counts print median(b) / median(a).
 
     Shown in lesson 01, §"Throughput, and where the time goes"; lesson 02, §"Why it is slow".
     """
     runs_a, runs_b = list(runs_a), list(runs_b)
     word, how = rate_verdict(runs_a, runs_b, outliers)
-    ratio = statistics.median(runs_b) / statistics.median(runs_a)
     paired = len(runs_a) == len(runs_b)
+    if paired:  # the rounds' own ratios: they point the way the rounds voted
+        ratio = statistics.median(b / a for a, b in zip(runs_a, runs_b))
+        effect = "median round"
+    else:
+        ratio = statistics.median(runs_b) / statistics.median(runs_a)
+        effect = "medians"
     p = f"; sign test p = {sign_test_p(runs_a, runs_b):.3g}" if paired else ""
     if word != "unclear":
         return (f"{name_b} was {word} than {name_a} {how} "
-                f"(medians: {ratio:.2f}x {name_a}'s speed{p}).")
+                f"({effect}: {ratio:.2f}x {name_a}'s speed{p}).")
     if paired:
         wins = max(sum(b > a for a, b in zip(runs_a, runs_b)),
                    sum(b < a for a, b in zip(runs_a, runs_b)))
         return (f"no clear difference between {name_a} and {name_b}: neither won enough rounds "
-                f"(at best {wins} of {len(runs_a)}; medians: {name_b} at {ratio:.2f}x "
+                f"(at best {wins} of {len(runs_a)}; {effect}: {name_b} at {ratio:.2f}x "
                 f"{name_a}'s speed{p}).")
     return (f"no clear difference between {name_a} and {name_b}: their runs overlap "
             f"(medians: {name_b} at {ratio:.2f}x {name_a}'s speed, within the spread).")
@@ -384,6 +391,9 @@ def rate_shape(runs_by_size: dict, outliers: int = 1) -> tuple[str, str]:
     rose), "up and down" (fell, then rose), "ends differ" (no step is clear, but the largest
     size beat or lost to the smallest: no shape between them is shown, a rise, a plateau and a
     peak alike would give it) or "flat"; ``sentence`` lists the steps and names the shape.
+    "rising" and "plateau" also need the largest size faster than the smallest; where a step
+    rose, none fell, and the ends are not so, the shape is "rose, ends unclear" (or "rose, ends
+    slower"): a gain over the whole range is not shown, only the steps that rose.
 
     Shown in lesson 01, §"Throughput, and where the time goes".
     """
@@ -408,6 +418,13 @@ def rate_shape(runs_by_size: dict, outliers: int = 1) -> tuple[str, str]:
         return "ends differ", (f"{told}; only the ends differ, batch {sizes[-1]} {ends} than "
                                f"batch {sizes[0]}: the shape in between is not shown")
     if "slower" not in words:
+        ends = rate_verdict(runs_by_size[sizes[0]], runs_by_size[sizes[-1]], outliers)[0]
+        if ends != "faster":                       # a step rose, the whole range did not
+            rose = " and ".join(f"{a} to {b}" for a, b, w in steps if w == "faster")
+            return f"rose, ends {'unclear' if ends == 'unclear' else 'slower'}", (
+                f"{told}; yet batch {sizes[-1]} against batch {sizes[0]}: "
+                f"{'no clear change' if ends == 'unclear' else 'slower'}, so a rise is shown "
+                f"only from batch {rose}, not from the smallest batch to the largest")
         if words[-1] == "faster":
             return "rising", f"{told}: still rising at the largest batch, {sizes[-1]}"
         return "plateau", f"{told}: rising, then flat from batch {steps[-1][0]} on"

@@ -11,8 +11,8 @@ QUESTIONS = [
      "why": ["In total the two are about equal (2(N−1)K against 2NK elements sent).",
              "Both are lockstep: every step waits for every gradient.",
              "Right: each ring rank's bytes, 2(N−1)K/N, stay under 2K as N grows, so the "
-             "bandwidth part of a step stays bounded, while the server's grows with N: NK in, "
-             "then NK out, 2NKβ in lesson 06's α-β model, N²/(N−1) times a ring rank's "
+             "bandwidth part of a step stays bounded, while the server's grows with N: NK out, "
+             "then NK in, 2NKβ in lesson 06's α-β model, N²/(N−1) times a ring rank's "
              "2(N−1)K/N·β (key by key, in and out overlap: towards N²/(2(N−1))). "
              "(The ring's latency part is not bounded: 2(N−1) steps in a row, lesson 06.) "
              "A server sharded over all N workers has no hot spot (Li et al. 2014): the ring's "
