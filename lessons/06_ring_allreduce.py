@@ -174,7 +174,7 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #   each phase, 2(p−1)K/p in all — the ring's bytes — in 2log₂p steps, the tree's count. For
 #   other N, the N − p workers above the largest power of two p first hand their whole array to
 #   a partner and get the result back: one more K-byte step at each end. MPICH's code takes the
-#   partners nearest first and folds other ranks: the same cost in the model.
+#   partners nearest first and folds even ranks onto their right neighbours: the same cost.
 #
 # A step is one message per link, so α is a message's cost, except at the server: its link
 # takes N messages a step, priced at one α, as if they went at once at full rate, without
@@ -355,9 +355,9 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 #   multiplies the whole formula by max(1, N / C), with C the cores this process may use —
 #   still two parameters, α and β.
 #
-# We fit both, plus one (α, β) per N (lowest squared error on the measured N, unable to predict
-# another), and print each one's relative error: median, max and root mean square (rms), the one
-# the fits minimise; median and max can favour either model.
+# We fit both, plus one (α, β) per N (lowest squared relative error on the measured N,
+# unable to predict another), and print each one's relative error: median, max and root mean
+# square (rms), the one the fits minimise; median and max can favour either model.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -593,11 +593,11 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
       five.get("ring") == [n for n in range(2, 129) if n not in powers], ring=five.get("ring"))
 
 # %% [markdown]
-# So for big messages the model picks Rabenseifner's at every power of two. Why then does
-# torch's gloo backend ring (gloo's `allreduce` offers a ring, its default, which torch uses, and
-# BCube; its halving-doubling is a separate, older class torch does not call), and NCCL
-# (NVIDIA's GPU collectives, DDP's backend there) ring among other choices (the folded cell
-# below)? The model gives every pair of workers a link of its own at full speed. Where links
+# So for big messages the model picks Rabenseifner's at every power of two. Why then do
+# torch's gloo backend and NCCL (NVIDIA's GPU collectives, DDP's backend there) use a ring?
+# gloo's `allreduce` offers a ring (its default, which torch uses) and BCube; its
+# halving-doubling is a separate, older class torch does not call. NCCL rings among other
+# choices (the folded cell below). The model gives every pair of workers a link of its own at full speed. Where links
 # are shared — GPUs on one PCIe bus,
 # servers behind network switches — some of Rabenseifner's rounds, in either order, pair
 # workers far apart, whose messages cross links other pairs use at the same time, a cost the

@@ -428,8 +428,8 @@ viz.show(viz.reducer_figure(),
 #   layer is registered before one it follows. DDP's default ones, rebuilt once from the first
 #   backward's order: when a later backward's order differs, say a branch using every
 #   parameter in another order. (Under the default `find_unused_parameters=False`, a parameter
-#   left without a gradient silently stops its bucket's reduction and, launched in order,
-#   every later bucket's; the callback that ends the backward never runs, so that step runs
+#   left without a gradient silently stops its bucket's reduction and, as buckets go out in
+#   order, every later bucket's; the callback that ends the backward never runs, so that step runs
 #   on un-averaged gradients, and only the *next* forward raises: lesson 04 §10.)
 # - **Gradients as views** (`gradient_as_bucket_view=True`): the reducer makes each `p.grad` a
 #   view of its slice of the bucket, so the all-reduced buffer *is* the averaged gradient: no
@@ -842,8 +842,8 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 # (the first claim above); the verdict above says whether the whole step was clearly faster,
 # and the backward's paired differences whether the compute stayed undisturbed, as the model
 # assumes. The model's test uses the rounds' own backward and the saving in backward + wait
-# (the model has no forward); it passes only within this run's noise: the line above says
-# whether it did.
+# (the model has no forward); it passes if the gap is within this run's noise, and the line
+# above says whether it is.
 #
 # The bound also says **when** overlap can pay: once the **compute-to-communication ratio
 # B / C is about 1 or more**, it *can* hide all but the last bucket; how much it does depends
