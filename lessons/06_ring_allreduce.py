@@ -174,7 +174,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #   each phase, 2(p−1)K/p in all — the ring's bytes — in 2log₂p steps, the tree's count. For
 #   other N, the N − p workers above the largest power of two p first hand their whole array to
 #   a partner and get the result back: one more K-byte step at each end. MPICH's code takes the
-#   partners nearest first and folds even ranks onto their right neighbours: the same cost.
+#   partners nearest first and folds the even ranks below 2(N − p) onto their right
+#   neighbours: the same cost.
 #
 # A step is one message per link, so α is a message's cost, except at the server: its link
 # takes N messages a step, priced at one α, as if they went at once at full rate, without
