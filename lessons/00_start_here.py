@@ -247,7 +247,129 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
       and "cloudpickle.loads(payload)" in inspect.getsource(launch.worker_entry))
 
 # %% [markdown]
-# ### Optional aside: NCCL and GPUs
+# (Running on GPUs? The optional appendix "NCCL and GPUs", after Check yourself, is for you.)
+
+# %% [markdown]
+# **When a rank fails.** Here rank 1 raises while rank 0 is busy for 30 s. `spawn` stops rank 0,
+# and the notebook gets one `RankFailedError` whose first line names the failed rank and its
+# error (the rest of the message is that rank's traceback). A rank that never finishes — as when
+# it waits in a collective another rank never calls — is stopped at the timeout with a
+# `LaunchTimeoutError`. One difference from a script: under `spawn` a rank whose function has
+# returned does not exit; it keeps its process and connections until every rank has finished,
+# so a rank still waiting on it hangs until that timeout, which then names it. (In a script,
+# the finished rank's process would exit, and a peer waiting on it over gloo fails within
+# seconds, long before the timeout: lesson 10 runs both.)
+
+# %%
+import datetime
+import tempfile
+import time
+
+import psutil
+
+pid_dir = tempfile.mkdtemp()  # each rank below leaves a file named by its process id
+
+
+def rank1_crashes(rank, world_size, pid_dir):
+    import time
+
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    if rank == 1:
+        raise ValueError("rank 1 found a bad batch")
+    time.sleep(30)  # rank 0 would be busy much longer than the crash takes to report
+
+
+def never_finishes(rank, world_size, pid_dir):
+    import time
+
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    time.sleep(600)
+
+
+t0 = time.perf_counter()
+try:
+    launch.spawn(rank1_crashes, 2, pid_dir, timeout=60)
+except launch.RankFailedError as err:
+    crash_lines = str(err).splitlines()
+crash_s = time.perf_counter() - t0
+print("\n".join(crash_lines[:2]))
+claim("rank 1's error came back as one RankFailedError naming rank 1 and its ValueError, in "
+      "under 25 s: rank 0's 30 s sleep was cut short",
+      crash_lines[0].startswith("rank 1 of 2 failed: ValueError") and crash_s < 25,
+      crash_s=crash_s)
+
+t0 = time.perf_counter()
+try:
+    launch.spawn(never_finishes, 2, pid_dir, timeout=3)
+except launch.LaunchTimeoutError as err:
+    hang_message = str(err)
+hang_s = time.perf_counter() - t0
+print(hang_message.split(". ")[0] + ".")
+claim("two ranks that never finish were stopped by the 3 s timeout: spawn raised after 3 s or "
+      "more and in under 30 s, not after their 600 s",
+      "never finished within 3 s" in hang_message and 3 <= hang_s < 30, hang_s=hang_s)
+rank_pids = [int(name) for name in os.listdir(pid_dir)]
+claim("and nothing is left running: none of the 4 rank processes of these two launches exists",
+      len(rank_pids) == 4 and not any(psutil.pid_exists(pid) for pid in rank_pids),
+      pids=rank_pids)
+entry = inspect.getsource(launch.worker_entry)
+print("worker_entry's lines the next claim reads, in order:", *[line.strip() for line in
+      entry.splitlines() if "result_conn.send_bytes(" in line or "release_conn.recv_bytes(" in line],
+      sep="\n    ")
+claim("a rank that returned stays alive: after sending its result (result_conn.send_bytes), "
+      "worker_entry waits for the parent's word that every rank is done "
+      "(release_conn.recv_bytes())",
+      0 < entry.find("result_conn.send_bytes(message)") < entry.find("release_conn.recv_bytes()"))
+from torch.distributed import constants
+
+claim("torch.distributed.constants.default_pg_timeout is 30 minutes",
+      constants.default_pg_timeout == datetime.timedelta(minutes=30),
+      timeout=str(constants.default_pg_timeout))
+
+# %% [markdown]
+# **▶ The launch code these claims rest on** (click the folded cell below): `launch.spawn`,
+# whose `finally` kills every rank's process tree, finished or not (that is what stopped rank 0
+# long before its 30 s), with `launch.kill_tree`: `os.killpg` on the rank's process group (each
+# rank made its own with `os.setsid()` in `worker_entry`), then each descendant, listed before
+# the first kill; `launch.wait_for_ranks`, which polls the ranks' result pipes, stops
+# 1.5 s after the first error or at the timeout, and raises `RankFailedError` or
+# `LaunchTimeoutError`; and `launch.worker_entry`, what each rank runs (the last claim but one
+# reads it).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(launch.spawn, launch.kill_tree, launch.wait_for_ranks, launch.worker_entry,
+              folded="▶ launch.spawn, kill_tree, wait_for_ranks and worker_entry")
+
+# %% [markdown]
+# ## Summary
+#
+# - Lessons prove what they say: every ✔ line is a claim computed on this run, and what they
+#   could only read in torch's source is marked so and cited; labs check your code and name
+#   your mistake in one sentence.
+# - `dpcourse.devices` picks one of three profiles (`cpu`, `one-gpu`, `multi-gpu`); the lessons
+#   are written to give the same checked results on each, and NCCL is used only when every
+#   rank owns a GPU. The stored outputs come from the `cpu` profile; the multi-GPU path's tests
+#   have not yet been run on a multi-GPU machine.
+# - `dpcourse.launch.spawn` runs ranks from a notebook: results come back in rank order, a
+#   crash or a hang becomes one clear error, and nothing is left running.
+# - Every lesson from 01 on has a *parameters* cell, so it can be re-run at a bigger scale with
+#   [papermill](https://papermill.readthedocs.io) without editing it, e.g.
+#   `papermill lessons/01_single_device.ipynb out.ipynb -p dataset cifar10 -p epochs 10`.
+#
+# Next: open `01_single_device.ipynb`.
+#
+# ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
+
+# %% jupyter={"source_hidden": true}
+from dpcourse import quizzes, viz
+
+viz.quiz(quizzes.questions("00"))
+
+# %% [markdown]
+# ## Appendix: NCCL and GPUs (optional)
 #
 # For readers who will run on GPUs; the CPU path of the later lessons does not need it. What
 # the `one-gpu` row rests on: NCCL, by default, refuses two ranks on one GPU. The rest (a group
@@ -384,124 +506,6 @@ with viz.folded_output("▶ The third run"):
           "gloo (ProcessGroupGloo) on both ranks, and all_reduce gave 1 + 2",
           per_device == [("cpu:gloo", "ProcessGroupGloo", 3.0)] * 2, per_device=per_device)
 
-# %% [markdown]
-# **When a rank fails.** Here rank 1 raises while rank 0 is busy for 30 s. `spawn` stops rank 0,
-# and the notebook gets one `RankFailedError` whose first line names the failed rank and its
-# error (the rest of the message is that rank's traceback). A rank that never finishes — as when
-# it waits in a collective another rank never calls — is stopped at the timeout with a
-# `LaunchTimeoutError`. One difference from a script: under `spawn` a rank whose function has
-# returned does not exit; it keeps its process and connections until every rank has finished,
-# so a rank still waiting on it hangs until that timeout, which then names it. (In a script,
-# the finished rank's process would exit, and a peer waiting on it over gloo fails within
-# seconds, long before the timeout: lesson 10 runs both.)
-
-# %%
-import datetime
-import tempfile
-import time
-
-import psutil
-
-pid_dir = tempfile.mkdtemp()  # each rank below leaves a file named by its process id
-
-
-def rank1_crashes(rank, world_size, pid_dir):
-    import time
-
-    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
-    if rank == 1:
-        raise ValueError("rank 1 found a bad batch")
-    time.sleep(30)  # rank 0 would be busy much longer than the crash takes to report
-
-
-def never_finishes(rank, world_size, pid_dir):
-    import time
-
-    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
-    time.sleep(600)
-
-
-t0 = time.perf_counter()
-try:
-    launch.spawn(rank1_crashes, 2, pid_dir, timeout=60)
-except launch.RankFailedError as err:
-    crash_lines = str(err).splitlines()
-crash_s = time.perf_counter() - t0
-print("\n".join(crash_lines[:2]))
-claim("rank 1's error came back as one RankFailedError naming rank 1 and its ValueError, in "
-      "under 25 s: rank 0's 30 s sleep was cut short",
-      crash_lines[0].startswith("rank 1 of 2 failed: ValueError") and crash_s < 25,
-      crash_s=crash_s)
-
-t0 = time.perf_counter()
-try:
-    launch.spawn(never_finishes, 2, pid_dir, timeout=3)
-except launch.LaunchTimeoutError as err:
-    hang_message = str(err)
-hang_s = time.perf_counter() - t0
-print(hang_message.split(". ")[0] + ".")
-claim("two ranks that never finish were stopped by the 3 s timeout: spawn raised after 3 s or "
-      "more and in under 30 s, not after their 600 s",
-      "never finished within 3 s" in hang_message and 3 <= hang_s < 30, hang_s=hang_s)
-rank_pids = [int(name) for name in os.listdir(pid_dir)]
-claim("and nothing is left running: none of the 4 rank processes of these two launches exists",
-      len(rank_pids) == 4 and not any(psutil.pid_exists(pid) for pid in rank_pids),
-      pids=rank_pids)
-entry = inspect.getsource(launch.worker_entry)
-print("worker_entry's lines the next claim reads, in order:", *[line.strip() for line in
-      entry.splitlines() if "result_conn.send_bytes(" in line or "release_conn.recv_bytes(" in line],
-      sep="\n    ")
-claim("a rank that returned stays alive: after sending its result (result_conn.send_bytes), "
-      "worker_entry waits for the parent's word that every rank is done "
-      "(release_conn.recv_bytes())",
-      0 < entry.find("result_conn.send_bytes(message)") < entry.find("release_conn.recv_bytes()"))
-from torch.distributed import constants
-
-claim("torch.distributed.constants.default_pg_timeout is 30 minutes",
-      constants.default_pg_timeout == datetime.timedelta(minutes=30),
-      timeout=str(constants.default_pg_timeout))
-
-# %% [markdown]
-# **▶ The launch code these claims rest on** (click the folded cell below): `launch.spawn`,
-# whose `finally` kills every rank's process tree, finished or not (that is what stopped rank 0
-# long before its 30 s), with `launch.kill_tree`: `os.killpg` on the rank's process group (each
-# rank made its own with `os.setsid()` in `worker_entry`), then each descendant, listed before
-# the first kill; `launch.wait_for_ranks`, which polls the ranks' result pipes, stops
-# 1.5 s after the first error or at the timeout, and raises `RankFailedError` or
-# `LaunchTimeoutError`; and `launch.worker_entry`, what each rank runs (the last claim but one
-# reads it).
-
-# %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(launch.spawn, launch.kill_tree, launch.wait_for_ranks, launch.worker_entry,
-              folded="▶ launch.spawn, kill_tree, wait_for_ranks and worker_entry")
-
-# %% [markdown]
-# ## Summary
-#
-# - Lessons prove what they say: every ✔ line is a claim computed on this run, and what they
-#   could only read in torch's source is marked so and cited; labs check your code and name
-#   your mistake in one sentence.
-# - `dpcourse.devices` picks one of three profiles (`cpu`, `one-gpu`, `multi-gpu`); the lessons
-#   are written to give the same checked results on each, and NCCL is used only when every
-#   rank owns a GPU. The stored outputs come from the `cpu` profile; the multi-GPU path's tests
-#   have not yet been run on a multi-GPU machine.
-# - `dpcourse.launch.spawn` runs ranks from a notebook: results come back in rank order, a
-#   crash or a hang becomes one clear error, and nothing is left running.
-# - Every lesson from 01 on has a *parameters* cell, so it can be re-run at a bigger scale with
-#   [papermill](https://papermill.readthedocs.io) without editing it, e.g.
-#   `papermill lessons/01_single_device.ipynb out.ipynb -p dataset cifar10 -p epochs 10`.
-#
-# Next: open `01_single_device.ipynb`.
-#
-# ## Check yourself
-#
-# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
-# where the answers are folded).
-
-# %% jupyter={"source_hidden": true}
-from dpcourse import quizzes, viz
-
-viz.quiz(quizzes.questions("00"))
 # %% [markdown]
 # **▶ For maintainers and the curious: where the course has run, and how its outputs are
 # tested** (a folded note: click to open).

@@ -242,8 +242,8 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 # advance (a floor: no loader runs inside the clock), `make_loaders`' `DataLoader` (it gathers
 # and collates one sample at a time), and a slow per-sample transform; a loader that decodes
 # images from disk would cost time outside these rates too. The lines of
-# `train_one_epoch` that place the meter (the step between them stays folded until your lab
-# passes):
+# `train_one_epoch` that place the meter (the move to the device and the step stay folded until
+# your lab passes):
 
 # %%
 import inspect
@@ -258,12 +258,14 @@ def lines(a, b):                         # train.py lines a to b - 1
 start_at, stop_at = line_of("meter.start()"), line_of("meter.stop(")
 to_at, step_at = line_of(".to(device"), line_of("optimizer.step()")
 viz.show_code(textwrap.dedent("\n".join(
-    lines(line_of("for X, y in batches"), start_at + 1)
+    lines(line_of("for X, y in batches"), to_at)
+    + [f"        ...  # train.py line {to_at}: the batch moved to the device (lab 01 §1)"]
+    + lines(to_at + 1, start_at + 1)
     + [f"        ...  # train.py lines {start_at + 1}-{stop_at - 2}: the step (lab 01 §1)"]
     + lines(stop_at - 1, stop_at + 1))))
 claim(f"in train.py the meter starts (line {start_at}) after the batch reached the device "
       f"(line {to_at}) and stops (line {stop_at}) after optimizer.step() (line {step_at}, "
-      "elided above)", to_at < start_at < step_at < stop_at)
+      "both elided above)", to_at < start_at < step_at < stop_at)
 
 # %% [markdown]
 # **▶ `ThroughputMeter`, `make_loaders`, `TrainConfig` and `fit`** (click the folded cell below).
@@ -389,12 +391,13 @@ viz.show(fig, "training throughput per batch size on this machine (the lines onl
 # </details>
 
 # %% [markdown]
-# **▶ The rules behind these sentences: `rate_verdict`, `sign_test_p`, `compare_rates`,
-# `rate_shape`** (click the folded cell below).
+# **▶ The rules behind these sentences: `round_wins`, `rate_verdict`, `sign_test_p`,
+# `compare_rates`, `rate_shape`** (click the folded cell below).
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(train.rate_verdict, train.sign_test_p, train.compare_rates, train.rate_shape,
-              folded="▶ code: rate_verdict, sign_test_p, compare_rates, rate_shape")
+viz.show_code(train.round_wins, train.rate_verdict, train.sign_test_p, train.compare_rates,
+              train.rate_shape,
+              folded="▶ code: round_wins, rate_verdict, sign_test_p, compare_rates, rate_shape")
 
 # %% [markdown]
 # Where does one step's time go? `time_breakdown` charges each phase — waiting for the next

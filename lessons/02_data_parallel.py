@@ -539,8 +539,8 @@ assert t["replicate_s"] > 0 and t["forward_chunk_s"] > 0 and t["torch_replicate_
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 from dpcourse import train
 
-viz.show_code(train.rate_verdict, train.compare_rates,
-              folded="▶ code: train.rate_verdict, train.compare_rates")
+viz.show_code(train.round_wins, train.rate_verdict, train.compare_rates,
+              folded="▶ code: train.round_wins, rate_verdict, compare_rates")
 
 # %%
 from dpcourse.train import compare_rates

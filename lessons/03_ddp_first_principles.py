@@ -80,7 +80,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # Each process is a **rank** `0 … world_size−1`. To talk, they first meet at a **rendezvous**:
 # here a TCP **store** (a small key-value server through which the ranks swap the addresses
 # they need to connect) at `MASTER_ADDR:MASTER_PORT`, which rank 0 hosts under `spawn` (under
-# `torchrun`, lesson 04's launcher, its agent process hosts it and every rank connects). The
+# `torchrun`, lesson 04's launcher, with its static or c10d rendezvous, node 0's agent process
+# hosts it and every rank connects; under the legacy etcd one, rank 0). The
 # **backend** is the library that moves the bytes: **gloo** (a collective communication library
 # from Meta, made for CPU tensors; it runs most collectives on GPU tensors too, slowly, through the
 # CPU's memory: the appendix finds which) or **nccl** (NVIDIA's
@@ -818,18 +819,26 @@ claim("iteration 0: its one bucket was launched only after the last gradient was
       first["buckets"][0][2] >= max(t for _, t in first["grads"]))
 claim("iteration 2: the first bucket's all-reduce started before the last gradient was computed",
       third["buckets"][0][2] < max(t for _, t in third["grads"]))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Why: the caption reads this run's times.
+ends = {"iteration 0": first["backward_end"], "iteration 2": third["backward_end"],
+        "the warm single bucket": static_runs[0][1]["backward_end"]}
+place = ["first", "second", "last"][sorted(ends.values()).index(ends["iteration 2"])]
 viz.show(viz.bucket_timelines_figure({
     f"iteration 0: one bucket (rank 0, bucket_cap_mb={cap_mb} MiB)": first,
     "iteration 2: the rebuilt buckets": third,
     "static_graph=True, iteration 1: one bucket, warm (another launch)": static_runs[0][1]}),
     "in iteration 0 the single bucket waits for the last gradient: nothing overlaps. In "
     "iteration 2 the first bucket (the classifier) is in flight while the convolutions' "
-    "gradients are still being computed; on gloo backward() returns only when the last bucket is "
-    "done (on NCCL, once it is queued: the GPU stream waits for it, not Python). Iteration 0 "
-    "can also pay one-time costs before its last gradient, so the first two panels' lengths are "
-    "not overlap's saving: the fair control is the third panel's warm single bucket (the next "
-    "cell compares them). A bar is a latency, not a transfer time: it includes waiting for the "
-    "other rank and, during the backward, sharing the cores with it.")
+    "gradients are still being computed. Read when backward() returns (black line): "
+    + ", ".join(f"{k} {v:.0f} ms" for k, v in ends.items())
+    + f"; the bucketed backward ended {place} of the three in this run"
+    + (", so overlap did not make it end sooner here: on gloo the all-reduces share the CPU "
+       "cores with the backward, and a bar also waits for the other rank, which rank 0's "
+       "stamps cannot tell apart." if place == "last" else " (one sample each: no cause).")
+    + " On gloo backward() returns when the last bucket is done; on NCCL, once it is queued.")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1062,7 +1071,7 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 #
 # The library's `average_gradients` sums, then divides; DDP **scales first, then sums**. Without
 # a comm hook, c10d's `Reducer::mark_variable_ready_dense` (`reducer.cpp`, not installed: the
-# claim below finds its compiled names) copies each gradient into its bucket as it becomes
+# appendix finds its compiled names) copies each gradient into its bucket as it becomes
 # ready and scales it in the same pass, `at::mul_out(bucket_view, grad, 1. / div_factor_)`: a
 # multiplication by the reciprocal of the world size; then the bucket goes to one all-reduce
 # with SUM. Lesson 07's reference answer to its lab 07 tables every case (a gradient that
@@ -1089,17 +1098,6 @@ ddp_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
 claim("DDP's batched_grad_copy defaults to False: deferring a bucket's gradient copies is opt-in",
       ddp_defaults["batched_grad_copy"].default is False)
 
-# reducer.cpp is not installed, but its compiled code is: the installed libtorch_cpu holds the
-# name mark_variable_ready_dense records for its scaled copy, and the batched path's message.
-import mmap
-from pathlib import Path
-
-libtorch_cpu = next((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
-marks = ["torch::distributed::reducer::mul_out", "batched_grad_copy is incompatible with"]
-with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-    found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
-claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0]}) holds the reducer's "
-      f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
 claim("forward_sync_buffers also decides the buffers' broadcast at the end of a Join: "
       "_sync_final_model passes broadcast_buffers=self.forward_sync_buffers",
       "broadcast_buffers=self.forward_sync_buffers"
@@ -1130,7 +1128,67 @@ with viz.folded_output(
           < 1e-6)
 
 # %% [markdown]
-# ## Appendix: which collectives gloo runs on GPU tensors
+# ## Summary
+#
+# - DDP runs one process per device; the processes meet at a rendezvous and talk through
+#   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
+# - Every rank ending each backward with the average of the ranks' gradients (lab 03; DDP's way
+#   of computing it is in "The reducer's arithmetic") makes each rank's step the
+#   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
+#   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
+#   as every shard's mean loss divides by the same count (equal shards, no padding skipped
+#   unevenly), no layer couples the samples of a batch (training-mode BatchNorm does) and the
+#   forward draws nothing at random (dropout, even seeded alike, gives a valid stochastic
+#   gradient, not the same numbers; `SmallCNN`'s is 0 here).
+# - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
+#   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
+#   not known yet; with `static_graph=True` the first two iterations do), unless
+#   `find_unused_parameters=True` without `static_graph`, or `bucket_cap_mb_list`; afterwards
+#   the buckets follow the order the gradients arrived, rank 0's assignment on every rank, and
+#   let communication overlap the backward (what that buys, lesson 07 measures).
+# - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
+#   can end several times the cap; how DDP groups them is lesson 07's.
+# - Before the first forward, and before each forward whose previous forward ran with gradients
+#   enabled and outside `no_sync()` (in `train()` or `eval()` mode alike), DDP broadcasts
+#   rank 0's buffers (`forward_sync_buffers=True`; outside `Join`): every rank evaluates
+#   with rank 0's BatchNorm statistics, which come from rank 0's shards only. A forward that
+#   follows one under `no_grad` or `no_sync()` starts from each rank's own.
+# - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch, on every
+#   rank: forgotten everywhere, every epoch repeats the same order; called on some ranks only,
+#   the shards overlap.
+#
+# Next, lesson 04 turns this into the script you would really run: `torchrun`, checkpoints
+# from rank 0, evaluation, `SyncBatchNorm`.
+#
+# ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
+
+# %% jupyter={"source_hidden": true}
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("03"))
+
+# %% [markdown]
+# ## Appendix: names in torch's compiled libraries
+# ### The reducer's scaled copy and batched path
+
+# %%
+# reducer.cpp is not installed, but its compiled code is: the installed libtorch_cpu holds the
+# name mark_variable_ready_dense records for its scaled copy, and the batched path's message.
+import mmap
+from pathlib import Path
+
+libtorch_cpu = next((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+marks = ["torch::distributed::reducer::mul_out", "batched_grad_copy is incompatible with"]
+with open(libtorch_cpu, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    found = {mark: m.find(mark.encode()) >= 0 for mark in marks}
+claim(f"the installed {libtorch_cpu.name} (torch {torch.__version__.split('+')[0]}) holds the reducer's "
+      f"'mul_out' copy and the batched_grad_copy path", all(found.values()), found=found)
+
+# %% [markdown]
+# ### Which collectives gloo runs on GPU tensors
 # gloo's code for a collective on CUDA tensors
 # is a class of its own, `Async<Collective>CUDA…Work`, compiled into torch's libraries; their
 # names, searched in the installed ones, say which collectives have it (**▶ folded**; it
@@ -1182,49 +1240,6 @@ claim("this torch's gloo can make its TCP transport and has no ibverbs one (libt
                      "TORCH_GLOO_IBV_NAME": False}, found=transports)
 
 # %% [markdown]
-# ## Summary
-#
-# - DDP runs one process per device; the processes meet at a rendezvous and talk through
-#   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
-# - Every rank ending each backward with the average of the ranks' gradients (lab 03; DDP's way
-#   of computing it is in "The reducer's arithmetic") makes each rank's step the
-#   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
-#   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
-#   as every shard's mean loss divides by the same count (equal shards, no padding skipped
-#   unevenly), no layer couples the samples of a batch (training-mode BatchNorm does) and the
-#   forward draws nothing at random (dropout, even seeded alike, gives a valid stochastic
-#   gradient, not the same numbers; `SmallCNN`'s is 0 here).
-# - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
-#   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
-#   not known yet; with `static_graph=True` the first two iterations do), unless
-#   `find_unused_parameters=True` without `static_graph`, or `bucket_cap_mb_list`; afterwards
-#   the buckets follow the order the gradients arrived, rank 0's assignment on every rank, and
-#   let communication overlap the backward (what that buys, lesson 07 measures).
-# - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
-#   can end several times the cap; how DDP groups them is lesson 07's.
-# - Before the first forward, and before each forward whose previous forward ran with gradients
-#   enabled and outside `no_sync()` (in `train()` or `eval()` mode alike), DDP broadcasts
-#   rank 0's buffers (`forward_sync_buffers=True`; outside `Join`): every rank evaluates
-#   with rank 0's BatchNorm statistics, which come from rank 0's shards only. A forward that
-#   follows one under `no_grad` or `no_sync()` starts from each rank's own.
-# - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch, on every
-#   rank: forgotten everywhere, every epoch repeats the same order; called on some ranks only,
-#   the shards overlap.
-#
-# Next, lesson 04 turns this into the script you would really run: `torchrun`, checkpoints
-# from rank 0, evaluation, `SyncBatchNorm`.
-#
-# ## Check yourself
-#
-# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
-# where the answers are folded).
-
-# %% jupyter={"source_hidden": true}
-from dpcourse import quizzes
-
-viz.quiz(quizzes.questions("03"))
-
-# %% [markdown]
 # ## Sources
 #
 # Checked against the installed torch 2.14.1 (paths relative to `site-packages`):
@@ -1238,8 +1253,16 @@ viz.quiz(quizzes.questions("03"))
 #   handler's `use_agent_store`: True always in
 #   `torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py`, and unless
 #   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in
-#   `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`) every
-#   rank is a client (`is_master=False`) of the agent's store.
+#   `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`, the c10d backend's handler,
+#   where node rank 0's agent starts it in `next_rendezvous`, ~line 1210) every
+#   rank is a client (`is_master=False`) of the agent's store. The etcd rendezvous
+#   (`torch/distributed/elastic/rendezvous/etcd_rendezvous.py`, `EtcdRendezvousHandler`, ~line
+#   170) keeps the base class's `use_agent_store` (False, `api.py` ~line 159): its store is
+#   etcd's (`etcd_store.py`), and `RendezvousStoreInfo.build` (`api.py` ~line 88) gives the
+#   workers rank 0's host and a free port, where rank 0 hosts the TCP store.
+#   `torch/distributed/run.py` — `--rdzv-backend` defaults to `static` (~line 523); `static`
+#   becomes `c10d` under `--standalone`, or on one node with no `--rdzv-endpoint` and no
+#   `--master-port` (`run`, ~lines 1098-1122).
 # - `torch/distributed/distributed_c10d.py` — `Backend.backend_capability`: gloo takes `cpu`
 #   and `cuda` tensors, nccl `cuda` only; it lists device types, not collectives.
 # - `torch/lib/libtorch_cpu.so` and `torch/lib/libtorch_cuda.so` — gloo's CUDA work classes,

@@ -13,8 +13,8 @@
 #   overlap (forward, backward per layer, lesson 06's α-β cost) that predicts the step time,
 #   test it against a simulated wire that takes (almost) no CPU, and against gloo on a CPU at
 #   every bucket size, saying where it fails there and why (gloo shares the backward's cores);
-# - count the bytes DDP's communication hooks send (fp16, bf16, PowerSGD) and what they cost
-#   in accuracy.
+# - count the bytes DDP's communication hooks send (fp16, bf16, PowerSGD) and compare their
+#   training loss over a short run with no compression's.
 #
 # **Time:** about 85 minutes to read and run (the lab is extra).
 #
@@ -446,35 +446,21 @@ viz.show(viz.reducer_figure(),
 
 # %% [markdown]
 # ## 4. Measuring the overlap on a CPU — and predicting it
-# **The result, first.** In the model, overlap saves at most **min(B, C − C_last)**: B the
-# backward, C all the all-reduces, C_last the last bucket's, which cannot start before the
-# backward ends. The clean test, "When the wire takes (almost) no CPU" (a simulated
-# network), prints the model's predicted saving beside the measured one. Before it come the runs
-# and the model; after it, the messy case ("Back to the real wire"): gloo's all-reduces share
-# the backward's cores, so they may show no clear gain — this machine's wire, not overlap
-# failing.
+# In the model below, overlap saves at most **min(B, C − C_last)**: B the backward, C all the
+# all-reduces, C_last the last bucket's, which cannot start before the backward ends. The
+# section goes: the runs, the model and its prediction, its clean test on a simulated wire
+# that takes (almost) no CPU, then gloo's runs, whose all-reduces share the backward's cores,
+# so they may show no clear gain — this machine's wire, not overlap failing.
 #
 # The small CNN is too small for buckets to matter, so for timing we take a model whose size
 # is in many matrices — 64 `Linear` layers of width 300 (the first, 3072 × 300, is the
 # largest at 3.52 MiB) — and train it with the three versions and real DDP, at each cap of
-# `sweep_caps`, beside three **controls**, in shuffled **rounds** judged by a sign test.
-#
-# <details><summary>▶ How the runs are compared</summary>
-#
-# The controls: `local` (the compute alone), and the per-parameter and bucketed versions with
-# `overlap=False` — the same asynchronous all-reduces of the same buffers, launched only once
-# `backward()` has returned. The runs are short (`timed_steps` steps) on a shared machine, so
-# they take their steps in rounds (step 1 of every run in shuffled order, then step 2
-# ...), compared round by round, in pairs chosen before the run: "faster" or "slower" only
-# when one run wins more rounds than chance gives 5% of the time (a sign test), else "no
-# clear difference" (picking the extreme pair afterwards would raise that 5%); "one bucket" and
-# 25 MiB, identical work here, check that yardstick (when they get a clear verdict, every later
-# one is marked weak). `timing_worker` also records the last step's timeline, and our class
-# its copies per bucket. Real DDP runs with nothing of ours in its path; its all-reduces are
-# counted afterwards, in one more step under torch's profiler, from the process group's own
-# records.
-#
-# </details>
+# `sweep_caps`, beside three **controls**: `local` (the compute alone), and the per-parameter
+# and bucketed versions with `overlap=False` (the same asynchronous all-reduces, launched only
+# once `backward()` has returned). `timing_worker` also records the last step's timeline, and
+# our class its copies per bucket; real DDP runs with nothing of ours in its path, its
+# all-reduces counted in one more step under torch's profiler. How the verdicts are reached
+# is folded after the model.
 
 # %%
 viz.show_code(experiments.timing_worker, experiments.count_ddp_collectives)
@@ -653,10 +639,24 @@ claim("at every cap the predicted saving is at least 0 and at most min(B, C − 
       saving=saving)
 
 # %% [markdown]
-# **▶ The sign test behind every verdict below**: `needed`, the
-# wins a run needs for a clear verdict; `compare` and `verdict`, round by round, each verdict
-# with its effect size (and marked weak if identical work got one too); `sweep_verdict`, the
-# bucket sweep's verdict, held to the noise floor of identical work (25 MiB against one bucket).
+# **▶ How every verdict below is reached**: the explanation, then its code (both folded).
+#
+# <details><summary>▶ Rounds, the sign test, the yardstick and the noise</summary>
+#
+# The runs are short (`timed_steps` steps) on a shared machine, so they take their steps in
+# rounds (step 1 of every run in shuffled order, then step 2 ...) and are compared round by
+# round, in pairs chosen before the run. `compare`: "faster" or "slower" only when one run
+# wins more rounds than chance gives 5% of the time (`needed`, a sign test), else "no clear
+# difference", with the median paired difference beside it; picking the extreme pair
+# afterwards would raise that 5%. The **yardstick**: 25 MiB and one bucket are identical work
+# here; when they get a clear verdict, `verdict` marks every later one weak. The **noise
+# floor**: the median of their differences in a round; `sweep_verdict` keeps a verdict only
+# when its median paired difference is larger. On the simulated wire, the claims use medians;
+# the model's test takes the rounds' own backward and the saving in backward + wait (the model
+# has no forward), and passes if the gap is within this run's noise: the larger of the paired
+# forwards' difference and that of the backwards in a calibration whose wire takes 0 ms.
+#
+# </details>
 
 # %% jupyter={"source_hidden": true}
 import statistics
@@ -707,20 +707,19 @@ def sweep_verdict(a, b):
 
 # %% [markdown]
 # ### When the wire takes (almost) no CPU
-# First the model's clean test: take the CPU out of the communication, which the real gloo
-# all-reduces share with the backward (the last part of this section): one
-# process, the same MLP, the same 4 MiB buckets, and for each bucket's all-reduce a thread
-# that **sleeps** as long as the message would take, one message at a time — a simulated
-# network, whose thread uses no core while it sleeps (a sleeping thread releases the GIL),
-# though it wakes, and takes the GIL back, to end each message and start the next. Its speed is set so that
-# all the buckets' messages together take twice as long as one backward, measured first
-# (B / C = 1/2). As before, the two variants take their steps in shuffled rounds.
+# The model's clean test takes the CPU out of the communication: one process, the same MLP,
+# the same 4 MiB buckets, and for each bucket's all-reduce a thread that **sleeps** as long as
+# the message would take, one message at a time — a simulated network that uses no core while
+# it sleeps (sleeping releases the GIL), though it wakes, and takes the GIL back, to end each
+# message and start the next. All the messages together take two backwards, measured first
+# (B / C = 1/2). The overlapped run and its control take their steps in shuffled rounds.
 #
 # The experiment sends a bucket when its **last parameter's** gradient arrives. That is enough
 # for this MLP only: its gradients arrive in the reverse of registration order, the order
 # `assign_buckets` walked, so a bucket's last parameter is its last gradient (a bucket sent
 # with a gradient still missing raises). It is not DDP's rule: where the backward's order
-# differs from the buckets', a last parameter can arrive early. Knowing when a bucket is complete, whatever the order, is lab 07's part 2.
+# differs from the buckets', a last parameter can arrive early. Knowing when a bucket is
+# complete, whatever the order, is lab 07's part 2.
 
 # %%
 viz.show_code(experiments.off_cpu_wire)
@@ -742,10 +741,8 @@ wire_rounds = [{"step": [t / 1e3 for t in off_cpu[k]["step"]],
                 "backward": [t / 1e3 for t in off_cpu[k]["backward"]]}
                for k in ("overlap", "control")]
 way, words = compare({"steps_s": wire_rounds[0]}, {"steps_s": wire_rounds[1]})
-# Claims made to hold on a loaded machine too (medians and a majority of rounds; a busy
-# machine delays the wire thread now and then, and blurs the sign test, whose verdict is
-# printed below): what was left of the messages once the forward and backward returned, and
-# the step as a whole.
+# Claims that hold on a loaded machine too (medians, the sign test): what was left of the
+# messages once the forward and backward returned, and the step as a whole.
 left = {k: statistics.median(s - f - b for s, f, b in zip(*(off_cpu[k][part] for part in
                                                              ("step", "forward", "backward"))))
         for k in ("overlap", "control")}
@@ -839,11 +836,9 @@ claim("the bound is B here (C − C_last is larger), and the model's saving is b
 
 # %% [markdown]
 # Once the communication takes (almost) no CPU, the messages go on the wire under the backward
-# (the first claim above); the verdict above says whether the whole step was clearly faster,
-# and the backward's paired differences whether the compute stayed undisturbed, as the model
-# assumes. The model's test uses the rounds' own backward and the saving in backward + wait
-# (the model has no forward); it passes if the gap is within this run's noise, and the line
-# above says whether it is.
+# (the first claim above); the lines above say whether the whole step was clearly faster,
+# whether the model's saving matched the measured one, and whether the compute stayed
+# undisturbed, as the model assumes.
 #
 # The bound also says **when** overlap can pay: once the **compute-to-communication ratio
 # B / C is about 1 or more**, it *can* hide all but the last bucket; how much it does depends
@@ -971,18 +966,19 @@ print(f"the all-reduce bars' lengths add up to {busy:.1f} ms")
 spans = sorted((s, e) for (_, i, s), (_, j, e) in zip(
     sorted((e for e in tl["events"] if e[0] == "launch"), key=lambda e: e[1]),
     sorted((e for e in tl["events"] if e[0] == "done"), key=lambda e: e[1])))
-in_flight = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
-print(f"at most {in_flight} all-reduces were in flight at the same moment")
+most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+print(f"at most {most} all-reduce bars overlapped at one moment (a bar includes its wait in "
+      "gloo's queue, so more than 2 is queueing, not more than 2 all-reduces running)")
 
 # %% [markdown]
-# Why can a bar be longer than lesson 06's α-β cost of its bucket, and several run at once?
+# Why can a bar be longer than lesson 06's α-β cost of its bucket, and several overlap?
 # Three things on this machine, none of them in the model:
 #
 # - **gloo's 2 worker threads** per gloo device (one device unless `GLOO_SOCKET_IFNAME` names
 #   several; read in the source, *not run here*; each runs `runLoop`) let two all-reduces be in
-#   flight at once; section 4's model leaves that out. Each rank has up to three busy threads — the backward and two gloo workers —
-#   on the cores both ranks share: with fewer cores than busy threads, each all-reduce takes
-#   longer than alone, and so does the backward.
+#   flight at once; section 4's model leaves that out. Each rank has up to three busy
+#   threads — the backward and two gloo workers — on the cores both ranks share: with fewer
+#   cores than busy threads, each all-reduce takes longer than alone, and so does the backward.
 # - **The "done" stamp is Python**: a Python callback appends the time once the all-reduce
 #   completes (`BucketedDataParallel._launch`, folded in section 3). It runs only
 #   once it holds the GIL. `loss.backward()` runs with the GIL released (Sources) but for

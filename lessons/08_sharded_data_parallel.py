@@ -86,8 +86,7 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # keeps 4 + 12/N, not 2 + 14/N. (16 persists between steps if `zero_grad()` runs at the top of
 # a step, not right after `step()`: section 3. Autocast also keeps bf16 casts of the weights
 # the backward needs, up to 2 more from forward to backward under DDP; FSDP2 casts one unit
-# at a time.) Below, `torch.autograd.graph.saved_tensors_hooks` lists every tensor autograd
-# saves for the backward.
+# at a time.) Below, `saved_tensors_hooks` lists what autograd saves.
 
 # %%
 viz.show_code(zero.bytes_per_param)
@@ -113,10 +112,11 @@ casts = [t for t in kept if t.shape == (64, 64)]
 claim("under autocast autograd keeps a bf16 copy (2 bytes per weight) of one of the two "
       "Linears' weights until the backward (which, and why: folded below)",
       len(casts) == 1 and casts[0].dtype == torch.bfloat16
-      and any(torch.equal(casts[0].T, lin.weight.to(torch.bfloat16)) for lin in (mlp[0], mlp[2])))
+      and any(torch.equal(c, lin.weight.to(torch.bfloat16)) for c in (casts[0], casts[0].T)
+              for lin in (mlp[0], mlp[2])))
 
 # %% [markdown]
-# <details><summary>▶ Which, and why — open after lab 11's part 6 passes</summary>
+# <details><summary>▶ Which, and why — open after lab 11's part 6 (skip it until then)</summary>
 #
 # `mlp[2]`'s: a Linear saves its weight for its input's gradient only, and `mlp[0]`'s input,
 # the data, needs none (lesson 11, §1, checks it).
@@ -794,7 +794,7 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # of the whole backward (`_root_post_backward_final_callback` runs `post_backward` for every
 # group the backward did not reach).
 #
-# <details><summary>▶ Why — open after lab 11's part 6 passes</summary>
+# <details><summary>▶ Why — open after lab 11's part 6 (skip it until then)</summary>
 #
 # FSDP2 wraps only the inputs that require a gradient (`_register_post_backward_hook` returns
 # early when it finds none), and the data requires none.

@@ -13,7 +13,8 @@
 # - explain what asynchronous training buys (no waiting for stragglers, slow workers: timed
 #   here against the synchronous server) and what it costs (stale gradients, computed on
 #   weights some updates old), and measure when staleness makes a run end above its starting
-#   loss and how a smaller step, or one divided by that age, rescues it;
+#   loss, and how a smaller step, or the staleness-aware one (here a smaller fixed step after
+#   the first τ updates), makes it end below;
 # - use local SGD to divide communication by H, measure how far the replicas drift between
 #   averages, and say what it cost here, in test loss and in accuracy;
 # - apply the linear scaling rule and warmup to a larger global batch, and read the result
@@ -77,9 +78,10 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 # computes a gradient on its part of the batch and **pushes** it back; the server steps.
 # Lesson 02's `nn.DataParallel` keeps a parameter server's state inside one machine: one copy
 # of the weights, on device 0 (`device_ids[0]`), and one optimizer step on the gradients summed
-# there (`comm.reduce_add`). Not necessarily its traffic: with NCCL, one `nccl.reduce` computes
-# that sum (lesson 02's Sources); only without NCCL is every GPU's gradient copied to device 0,
-# like a worker's push to §1's server.
+# there (`comm.reduce_add_coalesced`). Not necessarily its traffic: with NCCL, one `nccl.reduce`
+# per chunk of gradients (up to 10 MiB, or one larger tensor) computes that sum (lesson 02's
+# Sources); only without NCCL is every GPU's gradient copied to device 0, like a worker's push
+# to §1's server.
 #
 # We build it from point-to-point messages, rank 0 the server and ranks 1..N the workers,
 # with `dist.send` / `dist.recv`: one flat tensor per message, and a wrapper counts every
@@ -390,8 +392,8 @@ claim("so in the same budget the asynchronous server applies more gradients (at 
 # numbers through gloo and the server's step). The spans record when the worker
 # waited, not why (a descheduled server, worker or other program).
 #
-# The staleness printed above changes from run to run (the OS decides which process runs
-# first); to study its effect we need it under control.
+# The staleness above changes from run to run (the OS schedules the processes): to study it,
+# we need it under control.
 #
 # ## 2. Staleness, controlled
 # A simulator in one process, without threads: a server with `pull()` and `push(grad,
@@ -575,8 +577,17 @@ viz.show_code(async_sgd.async_worker_loop, async_sgd.StalenessAwareServer,
               folded="▶ The library's loop — open after your lab passes")
 
 # %% [markdown]
-# Stretch or not, read on: the largest step again, now with the library's staleness-aware
-# server (lr/s for a gradient s ≥ 1 updates stale, §2; folded above), for every τ ≥ 2 and seed:
+# Stretch or not: the largest step again, with the library's aware server (folded above): its
+# step at staleness 1, 2, 3, then its runs for every τ ≥ 2 and seed:
+
+# %%
+for stale in (1, 2, 3):                                 # lr 0.6, the gradient (1, -2)
+    probe = async_sgd.StalenessAwareServer(torch.zeros(2), 0.6)
+    for _ in range(stale):                              # zero gradients: version + 1 each
+        probe.push(torch.zeros(2), probe.pull()[1])
+    probe.push(torch.tensor([1.0, -2.0]), version=0)    # then one `stale` updates stale
+    claim(f"a gradient {stale} update(s) stale took a step of {float(-probe.w[0]) / 0.6:.4f} × lr",
+          torch.allclose(probe.w, torch.tensor([-0.6, 1.2]) / stale, rtol=1e-6, atol=0))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -602,24 +613,21 @@ claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in eve
 
 # %% [markdown]
 # With a constant τ, though, this simulator cannot tell the staleness-aware step from a
-# smaller fixed step (the numbers: folded, open after the stretch).
+# smaller fixed step after the first τ updates (the numbers: folded, open after the stretch).
 #
 # **▶ What did the server's *awareness* add? — open after your lab passes, stretch included**
 # (click the folded text and the folded cell below).
 #
 # <details><summary>▶ open</summary>
 #
-# In this simulator every gradient is delayed by the same τ, so after the first τ updates the
-# staleness no longer changes, and neither does the aware server's step: from there on it
-# steps as the unaware server would at one fixed smaller lr, lr/τ, on the same stale
-# gradients. The folded cell below checks it, then runs the *unaware* server at lr/τ on seed 0
-# and sets it against the aware server's run above, on the same stale gradients.
+# After the first τ updates every gradient here is exactly τ stale, so the aware step is a
+# fixed lr/τ. The folded cell below shows it on seed 0: an unaware server taking the aware
+# steps for the first τ updates and lr/τ after them ends on the aware run's weights, bit for
+# bit; the plain lr/τ server measures what those first τ updates alone change.
 #
-# If the two end together, the runs above show what the lr 0.1 row already showed, not what
-# awareness adds. Zhang et al. built the rule
-# for staleness that *varies* from update to update, as §1's real server's did: there each
-# gradient's step follows its own delay, which no single lr reproduces. A simulator that
-# delays every gradient by the same τ cannot test that.
+# So the runs above show what a smaller fixed step shows (the lr 0.1 row), not what awareness
+# adds. Zhang et al. built the rule for staleness that *varies* from update to update, as §1's
+# real server's did; no single lr reproduces those steps.
 #
 # </details>
 
@@ -776,7 +784,8 @@ claim(f"with {local_hs[-1]}× fewer averages, H = {local_hs[-1]} kept {kept:.0%}
 # %% [markdown]
 # The shards here are drawn from one distribution (IID), where local SGD is at its best: the
 # drift grows with H, yet the average of the drifted replicas kept most of H = 1's progress
-# in test loss (the claim above, one seed). But only in the first 128 steps: early training,
+# in test loss (the claim above, one seed). But only in the first `local_steps` steps: early
+# training,
 # where local SGD costs most (Lin et al.), which is why post-local SGD (above) starts
 # synchronously. Even H = 1 drifts: at this large step (lr 0.5) one step on a rank's own half-batch already moves it away from the average. With non-IID
 # shards (federated learning) or a larger step the replicas drift further (not run here): H
@@ -873,13 +882,14 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   gradients are stale. In the simulator τ = 0 is SGD exactly; over the
 #   sweep's seeds, the delay at which most runs ended above their start shrank as the step
 #   grew, and near it the seeds split; dividing the step by the staleness rescued most of the
-#   large step's runs, at the price of slower progress, but with a constant τ this simulator
-#   cannot tell the staleness-aware step from a smaller fixed step.
+#   large step's runs, at the price of slower progress, but with a constant τ that step is a
+#   smaller fixed one after the first τ updates.
 # - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP for SGD
 #   (with momentum and weight decay too), not for Adam (measured), the bytes sent fall as
 #   1/H (the all-reduces less: one bucket in DDP, one per tensor here), the
-#   replicas drift further apart as H grows (measured), and on IID shards H = 32 still kept
-#   more than 70 % of H = 1's test-loss reduction in these first 128 steps (one seed; §3 prints how accuracy ranks the H too). Torch ships it
+#   replicas drift further apart as H grows (measured), and on IID shards the largest H still kept
+#   more than 70 % of H = 1's test-loss reduction in these first `local_steps` steps (one
+#   seed; §3 prints how accuracy ranks the H too). Torch ships it
 #   (`PeriodicModelAverager`, post-local SGD); DiLoCo adds an outer Nesterov step on the
 #   averaged change.
 # - With SGD (here with momentum) and below the critical batch size, a k× larger batch takes a
@@ -945,7 +955,10 @@ viz.quiz(quizzes.questions("09"))
 #   `Scatter.forward` calls `comm.scatter` (from the input's device, or host memory);
 #   `Broadcast.forward` calls `comm.broadcast_coalesced` from the module's device, and
 #   `Broadcast.backward` sums the gradients with `ReduceAddCoalesced` into that device
-#   (`ctx.input_device`); `torch/nn/parallel/comm.py` — `reduce_add`: `nccl.reduce` with
+#   (`ctx.input_device`, ~line 39); `torch/nn/parallel/comm.py` — `reduce_add_coalesced`
+#   (~line 124): `buffer_size=10485760` bytes, the dense gradients grouped into chunks of at
+#   most that (`torch/_utils.py` — `_take_tensors`, ~line 700; a larger tensor is a chunk of
+#   its own), one flattened `reduce_add` per chunk; `reduce_add` (~line 70): `nccl.reduce` with
 #   `root=root_index`, the input already on `destination`, when `nccl.is_available(inputs)`,
 #   otherwise a `.to(destination)` and an add per other GPU; `scatter`, `gather`;
 #   `torch/cuda/nccl.py` — `reduce`: one `torch._C._nccl_reduce` call, NCCL's own reduce.

@@ -43,6 +43,18 @@
 # `dpcourse.pipeline_parallel` and `dpcourse.planner`. Every launch below runs gloo between
 # CPU processes, on any machine: the point here is equality and counted messages, not speed
 # (on GPUs the same calls take the NCCL backend and `init_device_mesh("cuda", ...)`).
+#
+# **Notation**, the same in every section (units in brackets):
+#
+# | symbol | meaning |
+# |---|---|
+# | N, D | data-parallel ranks: N as in lesson 08; D = GPUs / (t·p) in sections 2 and 5 |
+# | t | tensor-parallel size [ranks that share each layer] |
+# | K = p | pipeline stages [ranks]: K in section 3, p in section 5, as Megatron-LM writes it |
+# | M | micro-batches per step and pipeline |
+# | s, b | tokens per sequence; sequences (examples) per micro-batch, per rank |
+# | d, h, a | the model's width [features]; the MLP's hidden features (h = 4d); attention heads |
+# | Ψ | the parameters of the model at hand [numbers] |
 
 # %% tags=["parameters"]
 tp_ranks = 2                       # ranks of the tensor-parallel MLP (section 2): 2, 4 or 8
@@ -66,12 +78,11 @@ torch.set_num_threads(1)
 # ## 1. Where data parallelism ends
 # ### Memory: activations do not shard
 # Lesson 08's ZeRO-3 divides the model state — 16 bytes per parameter with mixed-precision
-# Adam — by the number of ranks N. It does not touch the **activations**: the tensors a layer
+# Adam — by N. It does not touch the **activations**: the tensors a layer
 # keeps from its forward for its backward. Each data-parallel rank runs every layer on its
 # own micro-batch, so its activations are those of a whole layer on a whole micro-batch,
 # whatever N is. For a transformer layer Korthikanti et al. (2022) count them, in 16-bit
-# floats, for a sequence of s tokens, a micro-batch of b sequences, width d and a heads:
-# `s·b·d·(34 + 5·a·s/d)` bytes.
+# floats: `s·b·d·(34 + 5·a·s/d)` bytes.
 # *Tensor parallelism* of size t (t ranks each keep a slice of every layer's weight
 # matrices and compute that slice's share of the layer; section 2 builds it) divides all but
 # `10·s·b·d` of it by t; those are the tensors every tensor-parallel rank holds whole:
@@ -524,7 +535,8 @@ with viz.folded_output("▶ The gradients, checked with the worker's slices and 
 with viz.folded_output("▶ The collectives of each pass, counted — open after your lab passes"):
     print("forward:", r0["forward"], " backward:", r0["backward"], " (op, elements, bytes)")
     tp_answers.tp_passes(tp_runs, cfg)
-viz.show_code(tp_answers.tp_passes, folded="▶ code: the claim — open after your lab passes")
+viz.show_code(tp_answers.tp_passes, tp_answers.activation_all_reduce,
+              folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
 # <details><summary>▶ Tensor parallelism's messages weighed against data parallelism's, here
@@ -656,7 +668,7 @@ with viz.folded_output("▶ torch's collectives beside ours — open after your 
           "; after the backward:", r0["torch_counts"])
     print("recorded:", r0["torch_recorded"])
     tp_answers.torch_sends_what_we_send(tp_runs, cfg)
-viz.show_code(tp_answers.torch_sends_what_we_send,
+viz.show_code(tp_answers.torch_sends_what_we_send, tp_answers.activation_all_reduce,
               folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
@@ -747,7 +759,7 @@ viz.show_code(tp_answers.sp_collectives, folded="▶ code: the claims — open a
 # %% [markdown]
 # ## 3. Pipeline parallelism: stages, micro-batches, the bubble
 # Tensor parallelism cuts every layer; **pipeline parallelism** cuts the model into K
-# **stages** of consecutive layers, one per rank (K, as in lab 11), and
+# **stages** of consecutive layers, one per rank, and
 # passes activations forward (`send`/`recv`, lesson 06) and their gradients backward. With one batch only one stage
 # works at a time, so the batch is cut into M **micro-batches** that follow each other
 # through the stages (GPipe, Huang et al. 2019); each stage *accumulates* the M micro-batches'
@@ -1157,9 +1169,8 @@ with viz.folded_output("▶ torch's placements on the mesh (they show section 2'
 # ## 5. A planner
 # Which sizes, then, for a real model on a real cluster? `dpcourse.planner` tries every
 # tensor size t dividing a node's GPUs (no tensor-parallel group straddles two nodes), every
-# number of stages dividing the layers (section 3's K, written and printed p from here on, as
-# the planner and Megatron-LM write it; M stays the micro-batches per pipeline), and DDP,
-# ZeRO-1 and ZeRO-3, with D = GPUs / (t·p) data-parallel replicas (d stays the model's width).
+# number of stages p dividing the layers, and DDP,
+# ZeRO-1 and ZeRO-3, with D = GPUs / (t·p) data-parallel replicas.
 # For each it computes per GPU the model state, the
 # activations, each dimension's messages and bytes per step, and a step time: compute at an
 # assumed half of the peak,
@@ -1185,7 +1196,8 @@ viz.show_code(planner.Cluster, planner.within_nodes, planner.plan)
 # cell below.
 
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
-viz.show_code(planner.plan_row, folded="▶ planner.plan_row: how each row is priced")
+viz.show_code(planner.plan_row, planner.activation_message_bytes,
+              folded="▶ planner.plan_row: how each row is priced")
 
 # %% [markdown]
 # **▶ `planner.tp_traffic`**, where `plan_row` gets its tensor-parallel messages: it prices lab

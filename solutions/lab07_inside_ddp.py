@@ -41,8 +41,9 @@ torch.set_num_threads(1)
 #
 # **The contract.** `assign_buckets(params, bucket_cap_mb)` takes a module's parameters in
 # **registration order** (a list, all on one device; some may be frozen, `requires_grad=False`;
-# they may be of **several dtypes**) and a cap in MiB (1 MiB = 2**20 bytes), and returns a list
-# of buckets, each a list of parameters, such that:
+# they may be of **several dtypes**) and a cap in MiB (1 MiB = 2**20 bytes), which bounds a
+# bucket's **bytes**, not its elements; it returns a list of buckets, each a list of
+# parameters, such that:
 #
 # - every parameter that requires a gradient is in exactly one bucket, and nothing else is;
 # - the grouping is the one DDP's rule (a function of its C++ reducer) makes at
@@ -67,7 +68,8 @@ torch.set_num_threads(1)
 # walk's order and a cap in MiB, and stopped there; the contract says what must hold, not how.
 # Three questions are yours:
 #
-# - what the cap is compared with: the open bucket's elements, or its bytes;
+# - when the cap is tested: once a parameter has joined the open bucket, or before it joins —
+#   so that a parameter that would take the bucket past the cap closes it and starts the next;
 # - a parameter arrives whose dtype is not the open bucket's (it cannot join that buffer):
 #   is that bucket closed there, or does it stay open beside a new one — and if it stays, does
 #   it keep a size count of its own;
@@ -96,22 +98,24 @@ bucket_guess = predict("lab07", lab07.BUCKET_QUESTION, my_bucket_count, unit="bu
 # %% [markdown]
 # <details><summary>▶ Hint 1 — a question</summary>
 #
-# What does one message cost: something per message, and something per byte or per element?
-# A float64 element is 8 bytes, a bfloat16 one 2: at one cap, should their buckets fill equally
-# fast? A bfloat16 gradient arrives while a float32 bucket holds 0.5 MiB and more float32
-# gradients are still to come: if that bucket closed now, how large would its message be? And
-# when is a bucket complete — when the walk ends, or earlier?
+# What does one message cost: something per message, and something per byte? A parameter
+# arrives that would take the open bucket past the cap: if the bucket closed before it joined,
+# how large would its message be, and how many messages would the step send? A bfloat16
+# gradient arrives while a float32 bucket holds 0.5 MiB and more float32 gradients are still to
+# come: if that bucket closed now, how large would its message be? And when is a bucket
+# complete — when the walk ends, or earlier?
 #
 # </details>
 
 # %% [markdown]
 # <details><summary>▶ Hint 2 — the idea</summary>
 #
-# The cap keeps messages few and large, and a message's size on the wire is bytes. A choice
-# that sends a message below the cap while gradients of its dtype are still to come pays a
-# message's start-up cost (lesson 06's α) again for nothing; a parameter of another dtype
-# passing by is no reason to. A bucket's place in the list is the moment its last gradient
-# arrives — however it was closed, or if it never was.
+# The cap keeps messages few and large: a bucket below it is not yet worth its message. A
+# choice that sends a message below the cap while gradients of its dtype are still to come pays
+# a message's start-up cost (lesson 06's α) again for nothing; neither a parameter that would
+# take the bucket past the cap nor one of another dtype passing by is a reason to. A bucket's
+# place in the list is the moment its last gradient arrives — however it was closed, or if it
+# never was.
 #
 # </details>
 

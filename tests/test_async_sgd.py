@@ -81,11 +81,36 @@ def test_what_awareness_adds_measures_the_aware_server_against_lr_over_tau(probl
     taus = (2, 4)
     aware = [async_sgd.run_stale(problem, t, 1.0, batches,
                                  server_cls=async_sgd.StalenessAwareServer)["loss"] for t in taus]
-    gap = async_sgd.what_awareness_adds(problem, taus, 1.0, batches, aware)
+    gaps = async_sgd.what_awareness_adds(problem, taus, 1.0, batches, aware)
     out = capsys.readouterr().out
-    assert gap < 0.05 and "exactly τ stale" in out and "unaware server, lr 1/τ" in out
-    with pytest.raises(ClaimError, match="ends where the unaware server"):
-        async_sgd.what_awareness_adds(problem, taus, 1.0, batches, [v + 1 for v in aware])
+    assert "exactly τ stale" in out and "bit for bit" in out and "unaware server, lr 1/τ" in out
+    scaled = [async_sgd.run_stale(problem, t, 1.0 / t, batches)["loss"] for t in taus]
+    assert gaps == [a - s for a, s in zip(aware, scaled)]
+    assert any(g != 0 for g in gaps)            # the first τ updates do change something
+    # losses that are not the aware server's (the plain server's here): refused
+    plain = [async_sgd.run_stale(problem, t, 1.0, batches)["loss"] for t in taus]
+    with pytest.raises(ClaimError, match="ends on the test losses above"):
+        async_sgd.what_awareness_adds(problem, taus, 1.0, batches, plain)
+
+
+def test_what_awareness_adds_refuses_a_replay_that_is_not_the_aware_run(problem, monkeypatch):
+    from dpcourse.checks import ClaimError
+
+    batches = async_sgd.batch_schedule(512, 32, 30, seed=0)
+    aware = [async_sgd.run_stale(problem, 2, 1.0, batches,
+                                 server_cls=async_sgd.StalenessAwareServer)["loss"]]
+    real = async_sgd.run_stale
+
+    def replay_off_by_a_bit(problem, tau, lr, batches, seed=0, server_cls=None, **kw):
+        out = real(problem, tau, lr, batches, seed=seed,
+                   server_cls=server_cls or async_sgd.SimulatedServer, **kw)
+        if server_cls is not None and server_cls.__name__ == "FixedSteps":
+            out["w"] = out["w"] + 1e-6
+        return out
+
+    monkeypatch.setattr(async_sgd, "run_stale", replay_off_by_a_bit)
+    with pytest.raises(ClaimError, match="bit for bit"):
+        async_sgd.what_awareness_adds(problem, (2,), 1.0, batches, aware)
 
 
 def test_warmup_climbs_linearly_to_k_times_the_lr():

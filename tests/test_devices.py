@@ -14,7 +14,7 @@ def fake_report(gpus=0, nccl=None):
     return devices.HardwareReport(
         python="3.11", platform="Linux", cpu_count=2, torch="x", torch_cuda_build=None,
         cuda_available=gpus > 0, gpus=[f"GPU{i}" for i in range(gpus)], gloo=True,
-        nccl=gpus > 0 if nccl is None else nccl,
+        nccl=gpus > 0 if nccl is None else nccl, nccl_built=gpus > 0 if nccl is None else nccl,
         packages={"tensorflow-cpu": "2.21.0", "nbval": "1", "jupytext": "1", "ipywidgets": "1",
                   "matplotlib": "1"})
 

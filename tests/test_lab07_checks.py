@@ -116,6 +116,55 @@ def own_bucket_for_large(params, cap_mb):
     return buckets + ([current] if current else [])
 
 
+def cap_before_joining(params, cap_mb):
+    # the first question of part 1's design decision answered wrongly, written apart from
+    # old_rule: one open bucket per dtype, and a parameter that would take its bucket to or
+    # past the cap closes that bucket before joining and starts the next (tested twice)
+    opened, done, cap = {}, [], cap_mb * 2**20
+    for p in [q for q in params if q.requires_grad][::-1]:
+        bucket = opened.setdefault(p.dtype, [])
+        if bucket and sum(map(_nbytes, bucket)) + _nbytes(p) > cap:
+            done.append(bucket)
+            bucket = opened[p.dtype] = []
+        bucket.append(p)
+        if sum(map(_nbytes, bucket)) >= cap:
+            done.append(opened.pop(p.dtype))
+    return done + list(opened.values())
+
+
+def room_left(params, cap_mb):
+    # right, written differently: the cap tested after joining, as the room a bucket has left
+    # (closed once none is left); the buckets in the order they complete, by the arrival index
+    order = [p for p in reversed(params) if p.requires_grad]
+    room, members, last = {}, {}, {}
+    result = []
+    for k, p in enumerate(order):
+        key = str(p.dtype)
+        members.setdefault(key, []).append(p)
+        room[key] = room.get(key, cap_mb * 2**20) - _nbytes(p)
+        last[key] = k
+        if room[key] <= 0:
+            result.append((k, members.pop(key)))
+            del room[key]
+    result += [(last[key], b) for key, b in members.items()]
+    result.sort(key=lambda kb: kb[0])
+    return [b for _, b in result]
+
+
+BEFORE_JOINING = ("the cap tested before that parameter joins, so each such bucket goes on the "
+                  "wire below the cap, before it has reached it — more messages, each paying a "
+                  "message's start-up cost (SmallCNN(width=8), cap 0.05 MiB: 3 bucket(s) where "
+                  "DDP makes 2)")
+
+
+@pytest.mark.parametrize("fn", [old_rule, cap_before_joining])
+def test_testing_the_cap_before_a_parameter_joins_is_named(fn):
+    with pytest.raises(LabCheckError) as err:
+        lab07.check_assign_buckets(fn)
+    msg = " ".join(str(err.value).split())
+    assert "the other usual rule in every case" in msg and BEFORE_JOINING in msg, msg
+
+
 def test_a_wrong_bucket_rule_gets_the_rule_only_on_the_second_meeting():
     for fn in (old_rule, own_bucket_for_large):
         for attempt in (1, 2):
@@ -128,7 +177,7 @@ def test_a_wrong_bucket_rule_gets_the_rule_only_on_the_second_meeting():
         checks._mistakes_met.clear()  # the next mutant is a first meeting of its own
 
 
-@pytest.mark.parametrize("fn", [ddp_rule, by_indices])
+@pytest.mark.parametrize("fn", [ddp_rule, by_indices, room_left])
 def test_right_assign_buckets_pass(fn, capsys):
     lab07.check_assign_buckets(fn)
     assert capsys.readouterr().out.count("✔") == 1

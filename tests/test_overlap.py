@@ -133,6 +133,9 @@ def test_cap_steps_kib_holds_every_cap_where_the_count_changes():
     for a, b in zip(steps, steps[1:]):
         assert count(a * 1.0001) == count(b * 0.9999)
     assert count(steps[0] * 0.9999) != count(steps[-1] * 1.0001)
+    # the widest run, all of them, is bucket_nbytes' one flat buffer
+    widest = overlap.cap_steps_kib(params, 0, float("inf"))[-1]
+    assert widest == overlap.bucket_nbytes(params) / 1024
 
 
 def test_powersgd_formula():

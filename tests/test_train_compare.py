@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from dpcourse.train import compare_rates, rate_verdict
+from dpcourse.train import compare_rates, rate_verdict, round_wins
 
 
 def test_faster_slower_and_overlap():
@@ -147,3 +147,9 @@ def test_rate_shape_names_the_steps_it_sees():
                              "batch to the largest"), sentence
     with pytest.raises(ValueError, match="two batch sizes"):
         rate_shape({16: same})
+
+
+def test_round_wins_counts_won_lost_and_leaves_ties_out():
+    # rounds: b won the first, tied the second, lost the third and fourth
+    assert round_wins([1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 1.0, 3.0]) == (1, 2)
+    assert round_wins([], []) == (0, 0)

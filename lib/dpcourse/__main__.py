@@ -78,10 +78,8 @@ def doctor(as_json: bool = False) -> int:
     print(f"  tensorflow   {tf or 'not installed'}")
     print(f"  GPUs         {report.gpu_count}" + "".join(f"\n    cuda:{i} {n}" for i, n in
                                                        enumerate(report.gpus)))
-    import torch.distributed as dist  # NCCL built into torch, apart from usable here (a GPU)
-
-    nccl_built = dist.is_available() and dist.is_nccl_available()
-    nccl = "yes" if report.nccl else "built, no GPU to use it" if nccl_built else "not built"
+    nccl = ("yes" if report.nccl else "built, no GPU to use it" if report.nccl_built
+            else "not built")
     print(f"  backends     gloo {'yes' if report.gloo else 'NO'}, nccl {nccl}")
     if profile:
         print(f"  {profile.describe()}")

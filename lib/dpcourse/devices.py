@@ -68,6 +68,7 @@ class HardwareReport:
     gpus: list[str]
     gloo: bool
     nccl: bool
+    nccl_built: bool  # torch was built with NCCL (``nccl`` also needs a GPU here)
     packages: dict[str, str | None] = field(default_factory=dict)
 
     @property
@@ -84,7 +85,8 @@ def usable_cores() -> int:
 
 
 def hardware_report() -> HardwareReport:
-    """This machine's facts. ``gloo``/``nccl`` mean usable here: ``nccl`` needs a GPU too.
+    """This machine's facts. ``gloo``/``nccl`` mean usable here: ``nccl`` needs a GPU too;
+    ``nccl_built`` only that this torch was built with NCCL.
 
     Shown in lesson 00, §"Your machine: the three hardware profiles".
     """
@@ -104,6 +106,7 @@ def hardware_report() -> HardwareReport:
         gpus=gpus,
         gloo=dist_ok and torch.distributed.is_gloo_available(),
         nccl=dist_ok and cuda and torch.distributed.is_nccl_available(),
+        nccl_built=dist_ok and torch.distributed.is_nccl_available(),
         packages=packages,
     )
 

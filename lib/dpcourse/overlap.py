@@ -168,7 +168,7 @@ def cap_steps_kib(params, lo_kib: float, hi_kib: float) -> list[float]:
 
     Shown in lesson 07, §3.
     """
-    sizes = [p.numel() * p.element_size() / 1024 for p in reversed(list(params))]
+    sizes = [bucket_nbytes([p]) / 1024 for p in reversed(list(params))]
     edges = {sum(sizes[i:j]) for i in range(len(sizes)) for j in range(i + 1, len(sizes) + 1)}
     return sorted(e for e in edges if lo_kib <= e <= hi_kib)
 

@@ -58,6 +58,7 @@ __all__ = [
     "Cluster",
     "activation_bytes_per_layer",
     "within_nodes",
+    "activation_message_bytes",
     "tp_traffic",
     "plan_row",
     "plan",
@@ -165,6 +166,13 @@ def within_nodes(span: int, gpus_per_node: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
+def activation_message_bytes(model: Transformer, micro_batch: int) -> int:
+    """The bytes of one 16-bit activation of ``micro_batch`` sequences, s·b·d elements: what a
+    tensor-parallel all-reduce (:func:`tp_traffic`) and a pipeline message (:func:`plan_row`)
+    carry. Shown in lesson 11, §5."""
+    return 2 * model.seq_len * micro_batch * model.hidden
+
+
 def tp_traffic(model: Transformer, tp: int, micro_batch: int, layers: int, micro_batches: int,
                recompute: bool = True) -> tuple:
     """Tensor parallelism's messages per GPU and step, and the bytes one GPU sends in them, for
@@ -176,8 +184,7 @@ def tp_traffic(model: Transformer, tp: int, micro_batch: int, layers: int, micro
     Shown in lesson 11, §5."""
     if tp <= 1:
         return 0, 0.0
-    s, b, d = model.seq_len, micro_batch, model.hidden
-    act_msg = 2 * s * b * d                           # one activation, 16-bit
+    act_msg = activation_message_bytes(model, micro_batch)
     ring = (lambda k: 2 * (k - 1) / k)                # a TP message's share one rank sends, k ranks
     per_layer = TP_MESSAGES_PER_LAYER["forward"] * (2 if recompute else 1) \
         + TP_MESSAGES_PER_LAYER["backward"]
@@ -248,7 +255,7 @@ def plan_row(model: Transformer, cluster: Cluster, tp: int, pp: int, global_batc
     working = layer_params * (2 * 2 + grad_bytes) if stage == "zero3" else 0.0
     total = state + activations + working
 
-    act_msg = 2 * model.seq_len * micro_batch * model.hidden   # one activation, 16-bit
+    act_msg = activation_message_bytes(model, micro_batch)
     tp_msgs, tp_bytes = tp_traffic(model, tp, micro_batch, layers_here, m, recompute)
     pp_msgs = 2 * m if pp > 1 else 0                  # a middle stage: one each way per micro-batch
     pp_bytes = pp_msgs * act_msg

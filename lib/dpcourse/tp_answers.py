@@ -14,9 +14,9 @@ import torch
 
 from dpcourse.checks import claim
 
-__all__ = ["saved_by_linear", "linear_saves_weight", "tp_passes", "tp_messages_weighed",
-           "torch_sends_what_we_send", "torch_placements", "torch_tp_redistributions",
-           "sp_collectives", "mesh_traffic"]
+__all__ = ["saved_by_linear", "linear_saves_weight", "activation_all_reduce", "tp_passes",
+           "tp_messages_weighed", "torch_sends_what_we_send", "torch_placements",
+           "torch_tp_redistributions", "sp_collectives", "mesh_traffic"]
 
 
 def saved_by_linear(x) -> list:
@@ -41,18 +41,24 @@ def linear_saves_weight(data) -> None:
           (48, 48) not in as_data and (48, 48) in as_leaf)
 
 
+def activation_all_reduce(cfg) -> tuple:
+    """One all-reduce of the MLP's float32 activations as our recorder writes it, (op, numbers,
+    bytes): tokens × d numbers (``cfg``: the run's tokens and width d).
+
+    Shown in lesson 11, §2."""
+    return ("all_reduce", cfg.tokens * cfg.d, cfg.tokens * cfg.d * 4)
+
+
 def tp_passes(tp_runs, cfg) -> None:
     """Claims which collective each pass of the tensor-parallel MLP made on every rank, and its
     size (``tp_runs``: the ranks' recorded calls; ``cfg``: the run's tokens and width d).
 
     Shown in lesson 11, §2."""
-    act_bytes = cfg.tokens * cfg.d * 4
+    one = activation_all_reduce(cfg)
     claim(f"the input requires a gradient here, as it would after another layer: one "
           f"all-reduce in the forward (g) and one in the backward (f), each of the activations' "
-          f"size: tokens × d = {cfg.tokens} × {cfg.d} floats ({act_bytes} bytes)",
-          all(r["forward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
-              and r["backward"] == [("all_reduce", cfg.tokens * cfg.d, act_bytes)]
-              for r in tp_runs))
+          f"size: tokens × d = {cfg.tokens} × {cfg.d} floats ({one[2]} bytes)",
+          all(r["forward"] == [one] and r["backward"] == [one] for r in tp_runs))
 
 
 def tp_messages_weighed(cfg, gpt3) -> None:
@@ -78,13 +84,12 @@ def torch_sends_what_we_send(tp_runs, cfg) -> None:
     pass and of the same size, as section 2's (its ``CommDebugMode`` and our recorder agree).
 
     Shown in lesson 11, §2."""
-    act_bytes = cfg.tokens * cfg.d * 4
     claim("torch sends what we send: one all-reduce of the activations in the forward, one in "
           "the backward (CommDebugMode and our recorder agree)",
           all(r["torch_forward_counts"] == {"all_reduce": 1}
               and r["torch_counts"] == {"all_reduce": 2}
-              and [c[1:] for c in r["torch_recorded"]] == [("all_reduce", cfg.tokens * cfg.d,
-                                                             act_bytes)] * 2 for r in tp_runs))
+              and [c[1:] for c in r["torch_recorded"]] == [activation_all_reduce(cfg)] * 2
+              for r in tp_runs))
 
 
 def torch_placements(r0) -> None:

@@ -298,6 +298,16 @@ def time_breakdown(model: nn.Module, loader, loss_fn, optimizer, device="cpu",
     return parts
 
 
+def round_wins(runs_a, runs_b) -> tuple[int, int]:
+    """Over interleaved rounds (run i of a beside run i of b): how many rounds ``runs_b`` won
+    and how many it lost (higher is faster; a tied round counts as neither).
+
+    Shown in lesson 01, §"Throughput, and where the time goes"; lesson 02, §"Why it is slow".
+    """
+    pairs = list(zip(runs_a, runs_b))
+    return sum(b > a for a, b in pairs), sum(b < a for a, b in pairs)
+
+
 def rate_verdict(runs_a, runs_b, outliers: int = 1) -> tuple[str, str]:
     """Whether throughputs ``runs_b`` beat ``runs_a`` (higher is faster), by
     :func:`compare_rates`' rule: ``(word, how)`` with ``word`` "faster", "slower" or "unclear"
@@ -311,8 +321,7 @@ def rate_verdict(runs_a, runs_b, outliers: int = 1) -> tuple[str, str]:
         raise ValueError("compare_rates needs at least one run on each side")
     if len(runs_a) == len(runs_b):
         n = len(runs_a)
-        wins = sum(b > a for a, b in zip(runs_a, runs_b))
-        losses = sum(b < a for a, b in zip(runs_a, runs_b))
+        wins, losses = round_wins(runs_a, runs_b)
         for count, word in ((wins, "faster"), (losses, "slower")):
             if n >= 3 and count == n:
                 return word, f"in every run of {n} rounds"
@@ -332,8 +341,7 @@ def sign_test_p(runs_a, runs_b) -> float:
 
     Shown in lesson 01, §"Throughput, and where the time goes".
     """
-    wins = sum(b > a for a, b in zip(runs_a, runs_b))
-    losses = sum(b < a for a, b in zip(runs_a, runs_b))
+    wins, losses = round_wins(runs_a, runs_b)
     n, k = wins + losses, max(wins, losses)
     return min(1.0, 2 * sum(math.comb(n, j) for j in range(k, n + 1)) / 2 ** n) if n else 1.0
 
@@ -370,8 +378,7 @@ def compare_rates(name_a: str, runs_a, name_b: str, runs_b, outliers: int = 1) -
         return (f"{name_b} was {word} than {name_a} {how} "
                 f"({effect}: {ratio:.2f}x {name_a}'s speed{p}).")
     if paired:
-        wins = max(sum(b > a for a, b in zip(runs_a, runs_b)),
-                   sum(b < a for a, b in zip(runs_a, runs_b)))
+        wins = max(round_wins(runs_a, runs_b))
         return (f"no clear difference between {name_a} and {name_b}: neither won enough rounds "
                 f"(at best {wins} of {len(runs_a)}; {effect}: {name_b} at {ratio:.2f}x "
                 f"{name_a}'s speed{p}).")

@@ -200,8 +200,10 @@ def _own_bucket_for_large(sizes: list[float], cap: float) -> list[list[int]]:
 _OTHER_RULES = (
     (_closed_before_over,
      "your buckets are those of the other usual rule in every case: a bucket closed just before "
-     "the next parameter would take it over the cap, so none ever ends above it, and buckets "
-     "come out smaller and more numerous than DDP's, which may end above the cap."),
+     "the next parameter would take it over the cap, the cap tested before that parameter "
+     "joins, so each such bucket goes on the wire below the cap, before it has reached it — "
+     "more messages, each paying a message's start-up cost ({example}) — where DDP tests the "
+     "cap after a parameter joins, so its buckets may end above the cap."),
     (_own_bucket_for_large,
      "your buckets are DDP's except around a parameter larger than the cap: there the open "
      "bucket was closed early, below the cap, so that the large parameter could have a bucket "
@@ -288,7 +290,9 @@ def bucket_problem(buckets, params: list, cap_mb: float, what: str = "") -> Prob
                     fix=_DDP_CLOSING_FIX)
             return Problem(f"bucket {k} was closed at {_mb(sum(sizes[i] for i in b))}, below "
                            f"the cap of {cap_mb} MiB{where}: it was closed because the next "
-                           f"parameter would take it over the cap, but DDP's buckets may end "
+                           f"parameter would take it over the cap, so it went on the wire "
+                           f"before reaching the cap, a message DDP does not send yet: DDP "
+                           f"tests the cap after a parameter joins, so its buckets may end "
                            f"above the cap (reducer.cpp, compute_bucket_assignment_by_size).",
                            fix=_DDP_CLOSING_FIX)
     return None

@@ -176,7 +176,10 @@ def check_assign_buckets(assign_buckets) -> None:
             predicted = [rule([p.numel() * p.element_size() for p in cases[k][1]],
                               cases[k][2] * MiB) for k in plain]
             if [got[k] for k in plain] == predicted:
-                fail(sentence, fix=_DDP_CLOSING_FIX)
+                ddps = {k: len(_reverse_walk(cases[k][1], cases[k][2] * MiB)) for k in plain}
+                k = next((k for k in plain if len(got[k]) != ddps[k]), plain[0])
+                fail(sentence.format(example=f"{cases[k][0]}: {len(got[k])} bucket(s) where "
+                                             f"DDP makes {ddps[k]}"), fix=_DDP_CLOSING_FIX)
     if problems:
         fail(problems[0], fix=problems[0].fix)
     passed(f"assign_buckets: reverse order, each bucket closed once it reached the cap, in bytes, "
