@@ -550,7 +550,7 @@ with viz.folded_output("▶ The third run"):
 #   `init_process_group`'s docstring, `device_id`: only with it is NCCL's communicator formed
 #   at once "rather than the normal lazy call" (the `eager_connect_single_device` call near the
 #   end of `_new_process_group_helper`). `ProcessGroup._get_backend(device)` (used in the same
-#   file, e.g. in `_get_process_group_uid`; the aside's third run calls it): the backend
+#   file, e.g. in `_get_process_group_uid`; the appendix's third run calls it): the backend
 #   serving one device type in a group.
 # - `torch/distributed/rendezvous.py` — `_env_rendezvous_handler` (the `env://` default, reading
 #   MASTER_ADDR and MASTER_PORT) calls `_create_c10d_store`, where `start_daemon = rank == 0`:
@@ -579,7 +579,7 @@ with viz.folded_output("▶ The third run"):
 # - `nvidia/nccl/lib/libnccl.so.2` (NCCL 2.30.7, the `nvidia-nccl-cu13` wheel torch depends on) —
 #   NCCL's refusal of two ranks on one GPU is a check inside the NCCL library, not in torch's
 #   Python; its error reads "Multiple Ranks are using the same GPU/Partition. Set
-#   NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration." (the aside's folded "second run"
+#   NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration." (the appendix's folded "second run"
 #   checks only that this message is in the installed library; that NCCL refuses by default
 #   and the variable lifts the refusal is read from the message, not run): a default, not an
 #   absolute rule. (Older NCCL releases said "Duplicate GPU detected".)

@@ -124,8 +124,9 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
 # once the result is in the tensor. With nccl it hands the work to the GPU and returns without
 # waiting for it to run (unless `TORCH_NCCL_BLOCKING_WAIT=1`, lesson 10); by default
-# (`async_op=False`; `True` returns a work handle to wait on: "Buckets, and why the first
-# iteration has only one") later GPU work still runs after it.
+# (`async_op=False`; `True` returns at once a *work* handle, whose `wait()` makes what follows
+# wait for the collective: "Buckets, and why the first iteration has only one") later GPU work
+# still runs after it.
 # NCCL runs a group's collectives over its *communicator*: the connections between the ranks'
 # GPUs. By default it forms it lazily, at the first collective (lesson 10 shows where that
 # matters).
@@ -138,8 +139,7 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # | `reduce_scatter(out, parts)` | a list of `world_size` pieces | piece *r* summed over the ranks |
 #
 # `all_reduce` = `reduce_scatter` followed by `all_gather` — which is how the ring of lesson 06
-# does it. (`collectives_demo` first calls `ddp.setup_rank()`, which returns the rank's device
-# and sets its share of the CPU threads; it is shown in the next section.)
+# does it. (`collectives_demo` first calls `ddp.setup_rank()`, shown in the next section.)
 
 # %%
 viz.show_code(ddp.collectives_demo)
@@ -934,7 +934,8 @@ synced = {}
 for k, (follows, _) in enumerate(on[0]["later"]):
     same = all(torch.equal(r["later"][k][1], on[0]["later"][k][1]) for r in on)
     state = "the same on every rank" if same else "different on each rank"
-    print(f"forward {k + 1}, after {follows}: the running mean it started from is {state}")
+    print(f"after the evaluation, forward {k + 1} (it follows {follows}): the running mean "
+          f"it started from is {state}")
     synced.setdefault(follows, []).append(same)
 claim("forward_sync_buffers=True: a forward that follows a no-grad forward, or a no_sync() "
       "one, starts from each rank's own running mean (no broadcast); one that follows a "

@@ -41,8 +41,8 @@ torch.set_num_threads(1)
 #
 # **The contract.** `assign_buckets(params, bucket_cap_mb)` takes a module's parameters in
 # **registration order** (a list, all on one device; some may be frozen, `requires_grad=False`;
-# they may be of **several dtypes**) and a cap in MiB (1 MiB = 2**20 bytes), which bounds a
-# bucket's **bytes**, not its elements; it returns a list of buckets, each a list of
+# they may be of **several dtypes**) and a cap in MiB (1 MiB = 2**20 bytes), measured against
+# a bucket's **bytes**, not its elements; it returns a list of buckets, each a list of
 # parameters, such that:
 #
 # - every parameter that requires a gradient is in exactly one bucket, and nothing else is;
@@ -68,8 +68,8 @@ torch.set_num_threads(1)
 # walk's order and a cap in MiB, and stopped there; the contract says what must hold, not how.
 # Three questions are yours:
 #
-# - when the cap is tested: once a parameter has joined the open bucket, or before it joins —
-#   so that a parameter that would take the bucket past the cap closes it and starts the next;
+# - when the cap is tested: once a parameter has joined the open bucket, or before it joins
+#   (then a parameter that would take the bucket past the cap closes it and starts the next);
 # - a parameter arrives whose dtype is not the open bucket's (it cannot join that buffer):
 #   is that bucket closed there, or does it stay open beside a new one — and if it stays, does
 #   it keep a size count of its own;
