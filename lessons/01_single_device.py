@@ -547,8 +547,8 @@ claim("bfloat16 has float32's range (the same smallest normal number); float16's
 # %% [markdown]
 #
 # Autocast does not make *everything* 16-bit: it keeps, per device, a list of operations that
-# are safer in float32. On the CPU `cross_entropy` itself is on it; CUDA's list has its two
-# pieces instead, `log_softmax` and `nll_loss`, so the loss ends in float32 there too. Either
+# are safer in float32. On the CPU `cross_entropy` itself is on it; CUDA's list lacks it but has
+# its last step, `nll_loss`, so the loss ends in float32 there too. Either
 # way, only *inside* the `autocast` block. Compute the loss after the block, from 16-bit
 # logits, and it is 16-bit too. So put the loss inside (the cell checks it on this device):
 
@@ -974,11 +974,14 @@ viz.quiz(quizzes.questions("01"))
 #   takes `torch.get_autocast_dtype(device_type)` when no dtype is given); "The autocast state is
 #   thread-local". Which ops run in which dtype is autocast's op list (the Autocast Op Reference
 #   in PyTorch's documentation); this lesson checks the one it relies on, cross-entropy, on this
-#   machine. Not installed (C++, read in PyTorch's repository): `aten/src/ATen/autocast_mode.cpp`
-#   — the CPU list has `KERNEL_CPU(cross_entropy_loss, fp32)`; the CUDA list has `nll_loss` and
-#   `log_softmax` in float32 and no `cross_entropy_loss`. Installed:
-#   `torch/testing/_internal/autocast_test_lists.py` — `AutocastTestLists` (CUDA) tests
-#   `log_softmax` and `nll_loss` among the float32 ops.
+#   machine. `torch/nn/functional.py` — `cross_entropy` (~l. 3561) calls
+#   `torch._C._nn.cross_entropy_loss`, which runs `log_softmax`, then `nll_loss`.
+#   `torch/include/ATen/autocast_mode.h` — the float32 list CUDA registers, `AT_FORALL_FP32`
+#   (~855), has `nll_loss` (~884) and no `cross_entropy_loss`; `log_softmax` is only in
+#   `AT_FORALL_FP32_SET_OPT_DTYPE` (~920): float32 only when its caller passes no `dtype`
+#   (`CastPolicy::fp32_set_opt_dtype`, ~423). The CPU list (`KERNEL_CPU(cross_entropy_loss,
+#   fp32)`) is in `aten/src/ATen/autocast_mode.cpp`, not installed;
+#   `torch._C._dispatch_dump("aten::cross_entropy_loss")` shows its AutocastCPU kernel.
 # - `torch/amp/grad_scaler.py` — `GradScaler`: `scale(loss)` multiplies the loss before
 #   backward, `step(optimizer)` unscales the gradients (and skips the step on inf/NaN),
 #   `update()` adjusts the scale.

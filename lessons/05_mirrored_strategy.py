@@ -917,8 +917,9 @@ claim("fit under MirroredStrategy ends with one device's weights (to 1e-5)", sam
 #
 # A Keras dtype policy makes layers compute in 16 bits while their variables stay float32:
 # `mixed_bfloat16` or `mixed_float16` — Keras ties neither to a device; `mixed_float16` is the
-# usual GPU policy (this lesson takes it on every GPU), `mixed_bfloat16` needs bfloat16
-# arithmetic (NVIDIA's Ampere and later, CPUs). float16 gradients underflow
+# usual GPU policy (this lesson takes it on every GPU); `mixed_bfloat16` runs on any CPU
+# (emulated without bfloat16 units) but is fast only with such units (NVIDIA's Ampere and
+# later, AVX512_BF16/AMX CPUs). float16 gradients underflow
 # (small values round to zero) without *loss scaling* — multiply the loss by a large factor,
 # divide the gradients by it — and bfloat16, with float32's range, needs none. It is
 # `model.compile`, not `fit`, that adds the scaling: when the **model's** policy is
@@ -960,8 +961,7 @@ for policy_name in ("mixed_float16", "mixed_bfloat16"):
 # float32 layers, where dividing by a power of two loses nothing and the step is a clean
 # 1/32768 of plain SGD's (a learning rate of 100, so that a step 32768 times too small still
 # moves the float32 weights measurably). Under `mixed_float16` — the case loss scaling exists
-# for, and the only one where `compile` wraps the optimizer — it is worse, not measured here
-# (this profile trains no float16 layer): without `scale_loss` the float16 intermediate
+# for — it is worse, not measured here: without `scale_loss` the float16 intermediate
 # gradients are not lifted, so the small ones underflow to zero (the `LossScaleOptimizer`
 # docstring's reason for the scale), and the step is 1/32768 of a gradient that has also lost
 # those components.
@@ -1345,6 +1345,7 @@ viz.quiz(quizzes.questions("05"))
 # - `tensorflow/python/distribute/values.py` — `MirroredVariable._gather_saveables_for_checkpoint` / `_MirroredSaveable`: a checkpoint saves the primary copy of a mirrored variable and restores the value into every copy; `SyncOnReadVariable` ("values are reduced on save") through `_SyncOnReadSaveable` and `values_util.get_on_read_saveable` (the cross-replica value); `SyncOnReadVariable._get_cross_replica`: read in the cross-replica context, the copies are combined by `strategy.reduce` with the variable's aggregation (the first replica's copy for `ONLY_FIRST_REPLICA`).
 # - `keras/src/backend/tensorflow/trainer.py` — `TensorFlowTrainer.train_step`: `self.optimizer.scale_loss(loss)` inside the tape; `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer.scale_loss` multiplies by the dynamic scale (`initial_scale=2**15`), `apply` divides the gradients by it; `dynamic_growth_steps=2000`: after that many finite steps in a row the scale doubles. `keras/src/optimizers/adam.py` — `Adam.update_step`: the step divides the first moment by the root of the second, so a constant factor on every gradient nearly cancels.
 # - `keras/src/dtype_policies/dtype_policy.py` — `DTypePolicy` (docstring) and `_parse_name`: `"mixed_float16"` / `"mixed_bfloat16"` give compute dtype float16 / bfloat16 and variable dtype float32, with no device check.
+# - `tensorflow/include/Eigen/src/Core/arch/Default/BFloat16.h` — "Definitions for CPUs, mostly working through conversion to/from fp32" (lines 266-267): `operator+`, `operator*`, … on `bfloat16` (lines 269-286) convert both operands to float32, compute, and round back, so TF's own CPU kernels run bfloat16 on any CPU, in software.
 # - `keras/src/trainers/trainer.py` — `Trainer.compile`: with the model's dtype policy `mixed_float16` and `auto_scale_loss=True`, the optimizer is wrapped in a `LossScaleOptimizer`.
 # - `keras/src/optimizers/loss_scale_optimizer.py` — `LossScaleOptimizer`: dynamic loss scaling, `inner_optimizer`; its docstring (lines 21-24): the loss is scaled "to prevent numeric underflow in intermediate gradients when float16 is used", which scales the intermediate gradients too.
 # - `tensorflow/python/distribute/collective_all_reduce_strategy.py` — `CollectiveAllReduceExtended._initialize_multi_worker`: `TF_CONFIG`'s cluster, a gRPC server per worker (`protocol="grpc"`).

@@ -176,7 +176,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 #   a partner and get the result back: one more K-byte step at each end. MPICH's code takes the
 #   partners nearest first and folds the even ranks below 2(N − p) onto their right
 #   neighbours: the same cost.
-#
+
+# %% [markdown]
 # A step is one message per link, so α is a message's cost, except at the server: its link
 # takes N messages a step, priced at one α, as if they went at once at full rate, without
 # *incast* (N senders jamming one link) — the server's best case (one by one: Nα a step). The
@@ -215,10 +216,10 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # latency term grows only as log N, but it sends the *whole* message in each of its rounds, so
 # its bandwidth term is 2⌈log₂N⌉Kβ (the figure's "binomial tree (unpipelined)": its message is not
 # *pipelined*, cut into segments that travel one behind another, §4; NCCL's tree pipelines,
-# folded below). So, in the model, among the five: at N a power of two Rabenseifner's never
+# folded below). So, in the model, of all five: at N a power of two Rabenseifner's never
 # loses to the ring or the tree; at other N the ring wins big messages (Rabenseifner's then pays
-# two extra K-byte steps); the tree never wins here; the server may, if N pushes cost one α (the
-# naive way, the ring and the tree checked below). Real parameter servers shard: TF's
+# two extra K-byte steps); the tree never wins (of naive, ring and tree, it wins small messages
+# on many workers); the server may, if N pushes cost one α. Real parameter servers shard: TF's
 # `ParameterServerStrategy` puts whole variables on its S servers round robin (splitting one
 # only with a `variable_partitioner`), so about NK/S per link when the variables are many and
 # alike (it trains asynchronously by default, lesson 09; the NK/S per link is a synchronous
@@ -278,7 +279,7 @@ import math
 big = {alg: ring.cost(alg, 8, 100e6, alpha_demo, beta_demo).seconds for alg in ring.ALGORITHMS}
 small = {alg: ring.cost(alg, 64, 1e3, alpha_demo, beta_demo).seconds
          for alg in ("naive", "ring", "tree")}
-claim("under the model, 100 MB on 8 workers: the ring is the fastest of the first four",
+claim("under the model, 100 MB on 8 workers: of all but Rabenseifner's, the ring is the fastest",
       min(big, key=big.get) == "ring")
 claim("1 KB on 64 workers, of the naive way, the ring and the tree: the binomial tree is fastest",
       min(small, key=small.get) == "tree")
@@ -327,10 +328,10 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
          f"under the α-β model with α = 10 µs and 10 GB/s links, all five algorithms (time on a "
          f"log scale; left, one flat step per whole N: Rabenseifner's jumps after each power of "
          f"two): for big messages the ring's time levels off in N (its bandwidth term stays under "
-         f"2Kβ), while the naive way and the server grow. Right, for 1 KB at N = 8 {NAMES[best8]} "
-         f"is the cheapest ({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, only if its one link "
-         f"takes N pushes for one α: no incast); without a server, {NAMES[best8_serverless]} "
-         f"({ring.cost(best8_serverless, 8, 1e3, 0, 0).steps} steps).")
+         f"2Kβ), while the naive way and the server grow. Right, for 1 KB at N = 8, of all five, "
+         f"{NAMES[best8]} is the cheapest ({ring.cost(best8, 8, 1e3, 0, 0).steps} steps, only if "
+         f"its one link takes N pushes for one α: no incast); of the four without a server, "
+         f"{NAMES[best8_serverless]} ({ring.cost(best8_serverless, 8, 1e3, 0, 0).steps} steps).")
 
 # %% [markdown]
 # ## 3. α and β of this machine, and which algorithm wins where
@@ -532,8 +533,8 @@ claim("arithmetic on ring.cost (one β for every step): with one link speed, 8 �
 # Under this model the ring does not win everywhere. Its bandwidth term is as small as any
 # all-reduce's can be (the bound of §2), but its latency term 2(N−1)α grows linearly, faster
 # than the tree's 2⌈log₂N⌉α and far faster than the parameter server's two rounds. Compare
-# first the four of §2's first claim, Rabenseifner's set aside: where the ring is the cheapest
-# of those, it is the cheapest **up to** some N, and small messages push that N down.
+# first all but Rabenseifner's: where the ring is the cheapest of those, it is the cheapest
+# **up to** some N, and small messages push that N down.
 # `ring.ring_cheapest_up_to` searches N = 2 … 128: "up to N = n" means the cheapest at *every*
 # N from 2 to n; *censored*, still the cheapest at 128 (a wider search finds where it stops).
 # Then put Rabenseifner's back.
@@ -559,27 +560,27 @@ def beats_the_ring(upto, nbytes):
                          if alg == "parameter-server" else "")
 
 
-print(f"α = 10 µs, PCIe, of the first four: the ring is the cheapest for K = 100 kB up to "
-      f"N = {upto_small} (from N = {upto_small.n + 1} {beats_the_ring(upto_small, 1e5)} is "
-      f"cheaper); for K = 102 MB up to N = {upto_big}; searched up to N = {upto_wide.n_max}, "
-      f"up to N = {upto_wide} (from N = {upto_wide.n + 1} "
-      f"{beats_the_ring(upto_wide, k_resnet50)} is cheaper)")
-print("pushes priced one by one (2Nα + 2NKβ > the naive way's 2(N−1)(α + Kβ)), the server never "
-      "wins: for 100 kB the ring is the cheapest up to N = " + str(ring.ring_cheapest_up_to(
-          1e5, 10e-6, 1 / 32e9, n_max=128, algorithms=("naive", "ring", "tree"))))
+print(f"α = 10 µs, PCIe, of all but Rabenseifner's: the ring is the cheapest for K = 100 kB up "
+      f"to N = {upto_small} (from N = {upto_small.n + 1}, the cheapest of these four: "
+      f"{beats_the_ring(upto_small, 1e5)}); for K = 102 MB up to N = {upto_big}; searched up to "
+      f"N = {upto_wide.n_max}, up to N = {upto_wide} (from N = {upto_wide.n + 1}, the cheapest "
+      f"of these four: {beats_the_ring(upto_wide, k_resnet50)})")
+print("pushes priced one by one (2Nα + 2NKβ > the naive way's 2(N−1)(α + Kβ)): the server never "
+      "wins; of naive, ring, tree: for 100 kB the ring is cheapest up to N = " + str(
+          ring.ring_cheapest_up_to(1e5, 10e-6, 1 / 32e9, 128, ("naive", "ring", "tree"))))
 claim("searched up to 128, the answer for 102 MB is censored (the ring still wins at 128); "
       "searched up to 5000 it is not",
       upto_big.censored and upto_big.n == 128 and not upto_wide.censored and upto_wide.n > 128,
       upto_big=upto_big, upto_wide=upto_wide)
-claim("of the first four, at a fixed α and β, a smaller K stops the ring being the cheapest at "
-      "a smaller N",
+claim("of all but Rabenseifner's, at a fixed α and β, a smaller K stops the ring being the "
+      "cheapest at a smaller N",
       upto_small.n is not None and not upto_small.censored and upto_small.n < upto_wide.n,
       upto_small=upto_small, upto_wide=upto_wide)
 claim("from N = 4 to 128, the ring's latency term 2(N−1)α exceeds the tree's 2⌈log₂N⌉α",
       all(2 * (n - 1) > 2 * math.ceil(math.log2(n)) for n in range(4, 129)))
 
 five = ring.cheapest_by_n(k_resnet50, 10e-6, 1 / 32e9, n_max=128)  # all five of ring.cost
-print("with Rabenseifner's back, K = 102 MB, N = 2 … 128, the cheapest is "
+print("of all five, K = 102 MB, N = 2 … 128: the cheapest is "
       + "; ".join(f"{NAMES[a]} at N = {ring.spans(ns)}" for a, ns in five.items()))
 at128 = {a: ring.cost(a, 128, k_resnet50, 10e-6, 1 / 32e9).seconds
          for a in ("ring", "rabenseifner")}
@@ -594,8 +595,8 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
       five.get("ring") == [n for n in range(2, 129) if n not in powers], ring=five.get("ring"))
 
 # %% [markdown]
-# So for big messages the model picks Rabenseifner's at every power of two. Why then do
-# torch's gloo backend and NCCL (NVIDIA's GPU collectives, DDP's backend there) use a ring?
+# So for big messages, of all five, the model picks Rabenseifner's at every power of two. Why
+# then do torch's gloo backend and NCCL (NVIDIA's GPU collectives, DDP's backend there) use a ring?
 # gloo's `allreduce` offers a ring (its default, which torch uses) and BCube; its
 # halving-doubling is a separate, older class torch does not call. NCCL rings among other
 # choices (the folded cell below). The model gives every pair of workers a link of its own at full speed. Where links

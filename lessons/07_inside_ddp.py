@@ -127,32 +127,19 @@ for kind in ("after_backward", "per_parameter"):
 # Buckets are filled in the order the gradients **arrive**, roughly reverse registration
 # order: the backward produces the last layer's gradients first, so the first bucket is
 # complete early and goes on the wire while the backward is still busy. DDP's rule (a function
-# of its C++ reducer) walks the parameters in the order their
-# gradients arrive — for a model whose layers run in registration order, the layers in
-# reverse (within a layer, a `Linear`'s bias arrives before its weight, a convolution's weight
-# before its bias) — and
-# closes a bucket by a size cap, `bucket_cap_mb` MiB; what exactly closes one, parameters
-# of several dtypes included, is lab 07's part 1, so the rule is folded below, after the
-# lab's pointer.
-#
-# *When* DDP makes its buckets decides which gradients share one. By default it starts with one
-# bucket (several dtypes: lab 07, part 1) and, at the next forward with gradients on, rebuilds
-# them in the order the first backward's gradients arrived; with `find_unused_parameters=True`
-# (steps may leave parameters without a gradient) and no `static_graph=True` (a promise
-# that every step uses the same parameters in the same order) it makes them once,
-# from registration order, and keeps them
-# (details folded at this section's end). Left at its default, `None` (25 MiB),
-# `bucket_cap_mb` gives the first of the buckets made by the caps a 1 MiB cap; any number
-# passed, 25 included, turns it off.
+# of its C++ reducer) walks the parameters in that order and closes a bucket by a size cap,
+# `bucket_cap_mb` MiB; what exactly closes one, parameters of several dtypes included, is lab
+# 07's part 1, so the rule is folded below, after the lab's pointer.
 #
 # **Lab 07, part 1 — now.** Before reading on, open
 # [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) and write `assign_buckets` by DDP's rule.
 # Its part 2 and its stretch wait until the end of section 6.
 #
-# Our `overlap.assign_buckets` stands in for the **rebuilt** buckets, walking the parameters
-# reversed (so a convolution's bias before its weight). Real DDP's own buckets, read from its
-# reducer at construction, after the first backward, after the second forward and after two
-# steps, say when it rebuilds, where the two agree, and where they do not:
+# Our `overlap.assign_buckets` stands in for the buckets DDP **rebuilds** after the first
+# backward, walking the parameters reversed (so a convolution's bias before its weight). Real
+# DDP's own buckets, read from its reducer at construction, after the first backward, after
+# the second forward and after two steps, say where the two agree and where they do not (when
+# and why DDP makes and remakes them: after the equality check below):
 
 # %%
 viz.show_code(experiments.ddp_buckets_worker)
@@ -392,19 +379,20 @@ claim(f"bucketed: one all-reduce per bucket per step ({len(buckets)} buckets, no
       and bucketed[0]["bucketed"]["buckets"] == [len(b) for b in buckets])
 
 # %% [markdown]
-# <details><summary>▶ Inside DDP: when buckets are built and rebuilt</summary>
-#
-# The 1 MiB first-bucket cap is set in `_BucketCapacityConfig.create`. Two flags of the
-# constructor decide the rest; `static_graph=True` promises that every step uses the same
-# parameters in the same order (section 6):
+# ### When DDP makes and remakes its buckets
+# *When* DDP makes its buckets decides which gradients share one (the claims at this
+# section's start checked each case). Two flags of the constructor decide it:
+# `find_unused_parameters=True` says a step may leave parameters without a gradient, and
+# `static_graph=True` promises that every step uses the same parameters in the same order.
+# Left at its default, `None` (25 MiB), `bucket_cap_mb` gives the first of the buckets made
+# by the caps a 1 MiB cap (`_BucketCapacityConfig.create`); any number passed, 25 included,
+# turns it off.
 #
 # | flags | buckets at construction | rebuilt? |
 # |---|---|---|
 # | default (`find_unused_parameters=False`) | **one** with parameters of one dtype (several dtypes: lab 07, part 1) | once, at the next forward with gradients on (`_pre_forward`: `torch.is_grad_enabled() and reducer._rebuild_buckets()`), in the order the first backward's gradients arrived: the last layers' leave early |
 # | `find_unused_parameters=True` | by the caps over *registration* order, then the list reversed (`_ddp_init_helper`) | never: a 1 MiB first bucket holds the first-defined layers, reduced last: small, so little waits after the backward (torch's comment) |
 # | both flags `True` | one, as the default | once (`should_rebuild_buckets`) |
-#
-# </details>
 
 # %% [markdown]
 # ### What DDP's reducer does that this class does not
@@ -554,8 +542,10 @@ claim(f"real DDP (no hook): the profiler saw {ddp_run['collectives_per_step']} a
 # - **one all-reduce at a time**: bucket k starts when its last gradient is ready (or, in the
 #   control, when the backward ends) and not before bucket k−1 has finished; the bucket that
 #   holds the last gradient is complete only when the backward ends, so it starts then in both
-#   (gloo runs a process group's collectives on 2 worker threads here, `createDefaultOptions`
-#   in Sources, so two all-reduces can be in flight at once: left out).
+#   (the same work; the runs launch it from its hook inside `backward()` in one, after
+#   `backward()` returns in the other). Left out: gloo runs a process group's collectives on 2
+#   worker threads here (`createDefaultOptions` in Sources), so two all-reduces can be in
+#   flight at once.
 #
 # The step is then forward + max(backward, end of the last all-reduce) + optimizer step: when
 # the early buckets, each starting at its ready time, have finished by the end of the
@@ -647,9 +637,9 @@ claim("at every cap the predicted saving is at least 0 and at most min(B, C − 
 # rounds (step 1 of every run in shuffled order, then step 2 ...) and are compared round by
 # round, in pairs chosen before the run. `compare`: "faster" or "slower" only when one run
 # wins more rounds than chance gives 5% of the time (`needed`, a sign test), else "no clear
-# difference", with the median paired difference beside it; picking the extreme pair
-# afterwards would raise that 5%. The **yardstick**: 25 MiB and one bucket are identical work
-# here; when they get a clear verdict, `verdict` marks every later one weak. The **noise
+# difference", with the median paired difference beside it; each test read adds its own
+# chance of a false verdict (printed below). The **yardstick**: 25 MiB and one bucket are
+# identical work here; when they get a clear verdict, `verdict` marks every later one weak. The **noise
 # floor**: the median of their differences in a round; `sweep_verdict` keeps a verdict only
 # when its median paired difference is larger. On the simulated wire, the claims use medians;
 # the model's test takes the rounds' own backward and the saving in backward + wait (the model
@@ -671,6 +661,12 @@ rounds = len(local["steps_s"]["step"])
 chance = 2 * sum(math.comb(rounds, j) for j in range(needed(rounds), rounds + 1)) / 2**rounds
 claim(f"the sign test: at {rounds} rounds a clear verdict needs {needed(rounds)} wins, which "
       f"chance alone gives {chance:.1%} of the time", chance <= 0.05)
+tests = len(sweep_caps) + 3   # the gloo runs' verdicts: caps, 2 yardstick pairs, 1 backward
+print(f"the gloo runs' verdicts read {tests} such tests (one per cap, two yardstick pairs, one "
+      f"backward against backward; later cells read more), each at {chance:.1%}: chance alone "
+      f"gives at least one false clear "
+      f"verdict with probability about 1 − (1 − {chance:.3f})^{tests} = "
+      f"{1 - (1 - chance) ** tests:.0%} (the tests share runs, so not exactly)")
 
 
 def compare(a, b, part="step"):
@@ -880,14 +876,16 @@ side = lambda e: ("above the model's at every cap" if min(e) > 0 else "below the
                  "every cap" if max(e) < 0 else "on both sides of the model's")
 print(f"Measured against predicted: {min(err):+.0%} to {max(err):+.0%} with overlap ({side(err)}), "
       f"{min(err_after):+.0%} to {max(err_after):+.0%} in the controls ({side(err_after)}).")
-paid, cost = [], []
+cap_verdicts = []    # (cap, buckets the run really had, the sign test's way)
 for r in model_rows:
     run, control = by[("bucketed", r["bucket_cap_mb"])], by[("bucketed_after", r["bucket_cap_mb"])]
-    way = compare(run, control)[0]
-    (paid if way < 0 else cost if way > 0 else []).append(cap_label(r["bucket_cap_mb"]))
+    one = run["n_buckets"] == 1                # one bucket: overlap cannot act
+    cap_verdicts.append((cap_label(r["bucket_cap_mb"]), run["n_buckets"],
+                         compare(run, control)[0]))
     print(f"{cap_label(r['bucket_cap_mb']):>10}: overlap predicted to save "
           f"{r['predicted_after_ms'] - r['predicted_ms']:5.1f} ms (model's bound {r['bound_ms']:.1f}); "
-          f"measured, overlapped against its control: {verdict(run, control)}")
+          f"measured, overlapped against its control"
+          f"{' (one bucket: overlap cannot act)' if one else ''}: {verdict(run, control)}")
 saving = [r["predicted_after_ms"] - r["predicted_ms"] for r in model_rows]
 r4 = model_rows[sweep_caps.index(4)]
 print(f"Compute-to-communication ratio, 4 MiB buckets: B = backward {parts['backward']:.1f} ms + "
@@ -904,11 +902,7 @@ yard = zip(*(by[("bucketed", c)]["steps_s"]["step"] for c in (25, math.inf)))  #
 noise_ms = statistics.median(abs(a - b) * 1e3 for a, b in yard)                 # the noise floor
 # The paragraph is written from this run's numbers, which change from run to run.
 display(Markdown(
-    f"**What this run says.** Against its control, overlap clearly saved time at "
-    f"{', '.join(paid) or 'none of the caps'}, clearly cost time at "
-    f"{', '.join(cost) or 'none of the caps'}, and "
-    f"made no clear difference at the other {len(model_rows) - len(paid) - len(cost)} caps"
-    f"{'' if yardstick_ok else ' (weak: identical work got a clear verdict too, above)'}. "
+    f"**What this run says.** {experiments.overlap_verdicts(cap_verdicts, yardstick_ok)} "
     f"With the 4 MiB buckets' all-reduces in flight the backward took {slowed:.1f} ms against "
     f"{parts['backward']:.1f} ms alone (medians; {r4['B_ms'] - parts['backward']:.1f} ms of it "
     f"the hooks' copies); backward against backward, "
@@ -918,6 +912,8 @@ display(Markdown(
     f"the {sum(v > 0 for v in saving)} caps where the model predicts one. With {os.cpu_count()} "
     f"cores for {world_size} ranks' backwards and gloo threads, only the sleeping wire above "
     f"tests the model cleanly. No GPU run is stored."))
+viz.show_code(experiments.overlap_verdicts,
+              folded="▶ code: experiments.overlap_verdicts, the paragraph's first sentences")
 
 # %% [markdown]
 # ### The timeline

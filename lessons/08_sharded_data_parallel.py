@@ -460,8 +460,8 @@ viz.show(viz.zero3_timeline_figure(events, layer_names),
 # Now in mixed precision — bf16 weights and gradients, fp32 master and Adam state, the
 # setting of the formula — at N = 2, 3 and 4. After the last step each rank counts the bytes
 # behind every tensor it holds, by storage (section 3's rule). Every collective is recorded
-# too. `count_bytes`'s `to_local` line takes this rank's piece of section 6's FSDP2
-# parameters (*DTensors*).
+# too. `count_bytes`'s `to_local` line is for section 6's FSDP2 parameters, *DTensors*:
+# tensors that know how they are split across ranks, `to_local()` giving this rank's piece.
 
 # %%
 viz.show_code(zero.count_bytes, zero.memory_per_rank)
@@ -797,7 +797,7 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # <details><summary>▶ Why — open after lab 11's part 6 (skip it until then)</summary>
 #
 # FSDP2 wraps only the inputs that require a gradient (`_register_post_backward_hook` returns
-# early when it finds none), and the data requires none.
+# early when it finds none: `_fsdp_param_group.py`, line 925), and the data requires none.
 #
 # </details>
 
@@ -1008,9 +1008,8 @@ viz.quiz(quizzes.questions("08"))
 #   (592–604) and `_backward_prefetch` (821): the next group's all-gather issued by default in
 #   the backward (`FSDPState._pre_backward` in `_fsdp_state.py`, 386–392, sets the default);
 #   the all-gathers are called with `async_op=False` unless `unshard_async_op` is set;
-#   `_register_post_backward_hook` and `RegisterPostBackwardFunction`: the post-backward is an autograd function applied to the
-#   module's inputs that require a gradient, whose backward runs `post_backward`; with no such
-#   input none is applied. `FSDPParamGroup.post_backward`: it saves the unsharded gradients,
+#   `_register_post_backward_hook` (917–932) and `RegisterPostBackwardFunction` (1141): section
+#   6's post-backward function. `FSDPParamGroup.post_backward`: it saves the unsharded gradients,
 #   calls `reshard()` (frees the full weights) if `reshard_after_backward`, then
 #   `foreach_reduce` (in `_fsdp_collectives.py`: the reduce-scatter) — the weights go before
 #   the reduce-scatter; with `reduce_grads` False it returns before saving or reducing,

@@ -572,12 +572,13 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
       "per replica and step")
 
 # %% [markdown]
-# What those micro-batches do to tensor and data parallelism's bytes is in the fold "Tensor
-# parallelism's messages weighed against data parallelism's" above (lab 11's answer).
-# And *when* the bytes travel matters more:
-# DDP's all-reduce overlaps the backward (lesson 07); tensor parallelism's collectives sit
-# between one matmul and the next. Some can hide behind a matmul that does not need their
-# result (the fold says which); the rest only with communication–matmul overlap, which
+# What those micro-batches do to the bytes is in the fold "Tensor parallelism's messages
+# weighed against data parallelism's" above (lab 11's answer). In short, tensor
+# parallelism's messages grow with the tokens × width of every micro-batch and sit on the
+# critical path of every layer, between one matmul and the next; data parallelism's grow
+# with the parameters, travel once per step and can overlap the backward (lesson 07). Some
+# of tensor parallelism's can hide behind a matmul that does not need their result (the fold
+# below says which); the rest only with communication–matmul overlap, which
 # pipelines a collective with the matmul that uses it, piece by piece: Megatron-Core's
 # `tp_comm_overlap` and torch's async tensor parallelism, both off by default and both only
 # in sequence parallelism's layout (the end of this section). So Megatron-LM keeps t ≤ the
@@ -1214,15 +1215,9 @@ viz.show_code(planner.tp_traffic, folded="▶ planner.tp_traffic — open after 
 with viz.folded_output("▶ planner.TP_MESSAGES_PER_LAYER, the tensor-parallel messages "
                        "plan_row counts, held against section 2's MLP — open after your lab "
                        "passes"):
-    print("tensor-parallel collectives per layer and micro-batch:",
-          planner.TP_MESSAGES_PER_LAYER)
-    claim(f"the planner's per-layer count, {planner.TP_MESSAGES_PER_LAYER} (the forward's once "
-          f"more when recomputed), is twice what section 2's MLP made (forward "
-          f"{len(r0['forward'])}, backward {len(r0['backward'])}); no attention is built here: "
-          "that Megatron's attention has the same f/g pair is assumed, from Shoeybi et al. "
-          "2019, §3",
-          planner.TP_MESSAGES_PER_LAYER == {"forward": 2 * len(r0["forward"]),
-                                            "backward": 2 * len(r0["backward"])})
+    tp_answers.planner_per_layer(r0)
+viz.show_code(tp_answers.planner_per_layer,
+              folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
 # The check: Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU
@@ -1321,18 +1316,9 @@ claim(f"a tensor size that does not divide the node's {cluster.gpus_per_node} GP
 
 # %% jupyter={"source_hidden": true}
 with viz.folded_output("▶ TP msgs per layer — open after your lab passes"):
-    print("    t   p    M  TP msgs  TP GB   (the ranking's rows, per GPU per step)")
-    for r in options[:6] + [pub]:
-        print(f"{r['tp']:5d} {r['pp']:3d} {r['micro_batches']:4d}  {r['tp_messages']:7d}"
-              f" {r['tp_bytes'] / gb:6.0f}")
-    claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
-          "tensor-parallel collectives per micro-batch (lab 11 counts them only for MLPs, in "
-          "part 6 for two stacked ones; attention and recomputation are the planner's); the "
-          "folded cell above shows the 6 (planner.TP_MESSAGES_PER_LAYER: twice section 2's "
-          "measured MLP, assuming attention has the same f/g pair, Shoeybi et al. 2019, §3), "
-          "with which collectives they are and their split by pass",
-          all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
-              for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))
+    tp_answers.planner_tp_columns(options, pub, model, gb)
+viz.show_code(tp_answers.planner_tp_columns,
+              folded="▶ code: the claim — open after your lab passes")
 
 # %% [markdown]
 # That ranking assumes the ZeRO paper's 16-bit gradients. With `--bf16`, Megatron-LM accumulates and

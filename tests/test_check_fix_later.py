@@ -68,3 +68,17 @@ def test_the_fix_opens_its_own_sentence_after_a_full_stop():
         with pytest.raises(checks.LabCheckError) as info:
             checks.fail("the sum is 3, so", fix="add the fourth term")
     assert info.value.message == "the sum is 3, so add the fourth term"
+
+
+def test_ipython_shows_the_sentence_not_the_checks_source_with_its_held_back_fix(capsys):
+    # A learner met this in lab 06: the traceback printed the check's own lines around the
+    # failing call, fix="..." included, so the fix held back for later was on screen at once.
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.user_ns["check_sign"] = check_sign
+    checks.reset_mistakes() if hasattr(checks, "reset_mistakes") else checks._mistakes_met.clear()
+    shell.run_cell("check_sign(-5)")
+    shown = capsys.readouterr().out
+    assert "LabCheckError: the value is -5, below zero" in shown
+    assert "abs(x)" not in shown and "fix=" not in shown

@@ -1025,3 +1025,65 @@ def test_lab_text_cites_no_rule_the_lesson_withdrew():
     assert "shrink like 1/τ" in lesson  # the lesson's withdrawal still stands
     assert "shrinks like 1/τ" not in lab and "every τ from 4 on did" not in lab
     assert "over 5 seeds" in lab
+
+
+# --------------------------------------------------------------------------------------------
+# Review 30: the rule a wrong answer broke, not only where it differs (learner_09's probes)
+# --------------------------------------------------------------------------------------------
+
+
+def pulls_ahead(server, compute_gradient, batches, tau):
+    # the learner's "pull reuse": the next batch's pull at the end of each pass, one too many
+    in_flight = collections.deque()
+    w, version = server.pull()
+    for batch in batches:
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+        w, version = server.pull()
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def two_gradients_per_pull(server, compute_gradient, batches, tau):
+    in_flight = collections.deque()
+    for i, batch in enumerate(batches):
+        if i % 2 == 0:
+            w, version = server.pull()
+        in_flight.append((compute_gradient(w, batch), version))
+        if len(in_flight) > tau:
+            server.push(*in_flight.popleft())
+    while in_flight:
+        server.push(*in_flight.popleft())
+
+
+def test_a_gradient_not_on_its_own_pull_names_the_rule():
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_async_worker(two_gradients_per_pull, RIGHT_TRACE)
+    assert "each gradient must be computed on the weights of its own pull, right after it; " \
+           "yours computed gradient 1 on the weights pulled for gradient 0" in str(err.value)
+    assert "differs from your own trace" not in str(err.value), str(err.value)
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_async_worker(pulls_ahead, RIGHT_TRACE)
+    msg = str(err.value)
+    assert "your loop pulled 6 times, and no gradient was computed on the weights of pull 6 " \
+           "(call 9): each gradient must be computed on the weights of its own pull" in msg, msg
+    assert "differs from your own trace" not in msg, msg
+    with pytest.raises(LabCheckError) as err:   # without the trace: no "batch 10's pull"
+        lab09.check_async_worker(pulls_ahead)
+    assert "pulled once more after the gradients of all 10 batches" in str(err.value)
+    assert "batch 10" not in str(err.value), str(err.value)
+
+
+def test_a_fresh_step_that_is_not_lr_is_named_by_the_tau_0_run():
+    with pytest.raises(LabCheckError) as err:
+        lab09.check_staleness_aware(_server(lambda lr, s: 2 * lr if s == 0 else lr / s), WHY)
+    assert "at τ = 0 (every gradient fresh) your server must be plain SGD with step lr; yours " \
+           "took a different step for a fresh gradient (2·lr)" in str(err.value), str(err.value)
+    assert "does not recognise" not in str(err.value)
+
+
+def test_check_prediction_wants_the_prediction_not_a_number():
+    with pytest.raises(TypeError, match=r"the Prediction that predict\(\.\.\.\) returned .*not "
+                                        r"int 12: pass guess"):
+        lab09.check_prediction(12, {}, 2.3)   # before anything else: the losses are not read

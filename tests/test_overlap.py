@@ -380,7 +380,7 @@ def test_unused_parameter_is_named_with_both_ddp_settings():
 
 def test_predict_step_one_bucket_saves_nothing():
     # the last gradient is ready before backward() returns; the bucket holding it is complete
-    # only when the backward ends, so with one bucket overlap and its control are the same step
+    # only when the backward ends, so with one bucket overlap and its control do the same work
     cost = lambda nbytes: 1.0 + nbytes / 1000
     ready = [1, 2, 3, 8]
     for copies in (None, [0.7]):
@@ -392,6 +392,25 @@ def test_predict_step_one_bucket_saves_nothing():
     # two buckets: the first still starts at its ready time, the last at the backward's end
     two = overlap.predict_step(ready, [(3, 2000), (1, 1000)], cost, 5, 10, 1)
     assert two["spans"] == [(3, 6), (10, 12)]
+
+
+def test_overlap_verdicts_never_word_a_one_bucket_pair_as_overlap():
+    # a run with one bucket is a null pair: its clear verdict is the test erring, not overlap
+    said = ox.overlap_verdicts([("0.1 MiB", 40, 0), ("1 MiB", 12, -1), ("4 MiB", 5, 0),
+                                ("25 MiB", 1, 1), ("one bucket", 1, 0)])
+    assert "clearly saved time at 1 MiB, clearly cost time at none of the caps" in said
+    assert "no clear difference at the other 2 caps with several buckets." in said
+    assert "At 25 MiB (one bucket), where overlap cannot act, the test still called a " \
+           "difference, 'slower'" in said
+    assert "At one bucket, where overlap cannot act: no clear difference, as expected." in said
+    assert "25 MiB" not in said.split(".")[0] and "weak" not in said
+    quiet = ox.overlap_verdicts([("4 MiB", 5, 1), ("25 MiB", 1, 0), ("one bucket", 1, 0)],
+                                yardstick_ok=False)
+    assert "clearly cost time at 4 MiB" in quiet and "the other 0 caps" in quiet
+    assert "(weak: identical work got a clear verdict too, above)." in quiet
+    assert "At 25 MiB (one bucket) and one bucket, where overlap cannot act: no clear " \
+           "difference, as expected." in quiet
+    assert "test still called" not in quiet
 
 
 def test_ddp_buckets_worker_reads_real_ddps_buckets():

@@ -341,7 +341,9 @@ def predict_step(ready_ms, bucket_sizes, comm_ms, forward_ms: float, backward_ms
     runs at a time: bucket k starts when its last gradient is ready (``overlap``) or when the
     backward ends (not), and not before bucket k-1 has finished; the bucket that holds the last
     gradient is complete only when the backward ends, so it starts then in both cases (with a
-    single bucket, overlap and its control are the same step). The step is then
+    single bucket, overlap and its control do the same work; in the runs the last bucket is
+    launched from its hook inside backward() in one, after backward() returns in the other).
+    The step is then
 
         forward + max(backward, end of the last all-reduce) + optimizer step,
 

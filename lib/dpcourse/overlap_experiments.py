@@ -11,6 +11,7 @@ counted.
   DDP's all-reduces under the profiler;
 * :func:`comm_hook_worker` counts the bytes a DDP communication hook sends (fp16, bf16,
   PowerSGD) with :func:`dpcourse.collectives.record_collectives`;
+* :func:`overlap_verdicts` words the timed runs' verdicts, overlapped against control;
 * :func:`stretch_tools` tries, on toys, the two tools lab 07's stretch needs
   (:func:`check_stretch_tools` holds the claim on them).
 
@@ -50,6 +51,7 @@ __all__ = [
     "off_cpu_wire",
     "stretch_tools",
     "check_stretch_tools",
+    "overlap_verdicts",
 ]
 
 
@@ -527,3 +529,35 @@ def check_stretch_tools(results, world_size: int) -> None:
           f"all_gather fills one list entry per rank: {gathered}",
           joined == [n * (n + 1) / 2, 5.0 * n * (n - 1)]
           and gathered == [float(r) for r in range(n)])
+
+
+def overlap_verdicts(verdicts, yardstick_ok: bool = True) -> str:
+    """The first sentences of lesson 07's "What this run says": each cap's overlapped run
+    against its control. ``verdicts``: one (cap's name, buckets the run had, way) per cap, way
+    the sign test's (-1 clearly faster, +1 clearly slower, 0 no clear difference). A run with
+    one bucket is a null pair: overlap cannot act there, so its verdict is never worded as
+    overlap saving or costing time, and a clear one is called an error of the test.
+
+    Shown in lesson 07, §4 (folded).
+    """
+    several = [(name, way) for name, n, way in verdicts if n > 1]
+    paid = [name for name, way in several if way < 0]
+    cost = [name for name, way in several if way > 0]
+    other = len(several) - len(paid) - len(cost)
+    null = [(name if name == "one bucket" else f"{name} (one bucket)", way)
+            for name, n, way in verdicts if n == 1]
+    words = (f"Against its control, overlap clearly saved time at "
+             f"{', '.join(paid) or 'none of the caps'}, clearly cost time at "
+             f"{', '.join(cost) or 'none of the caps'}, and made no clear difference at the "
+             f"other {other} cap{'' if other == 1 else 's'} with several buckets"
+             f"{'' if yardstick_ok else ' (weak: identical work got a clear verdict too, above)'}.")
+    for name, way in null:
+        if way:
+            words += (f" At {name}, where overlap cannot act, the test still called a "
+                      f"difference, '{'faster' if way < 0 else 'slower'}': a measure of how "
+                      f"often this run's test errs.")
+    quiet = [name for name, way in null if not way]
+    if quiet:
+        words += (f" At {' and '.join(quiet)}, where overlap cannot act: no clear difference, "
+                  f"as expected.")
+    return words

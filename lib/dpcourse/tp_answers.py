@@ -16,7 +16,8 @@ from dpcourse.checks import claim
 
 __all__ = ["saved_by_linear", "linear_saves_weight", "activation_all_reduce", "tp_passes",
            "tp_messages_weighed", "torch_sends_what_we_send", "torch_placements",
-           "torch_tp_redistributions", "sp_collectives", "mesh_traffic"]
+           "torch_tp_redistributions", "sp_collectives", "mesh_traffic", "planner_per_layer",
+           "planner_tp_columns"]
 
 
 def saved_by_linear(x) -> list:
@@ -170,3 +171,39 @@ def torch_tp_redistributions() -> None:
           "async_op, whose default is False: a synchronous all-reduce",
           "redistribute_local_tensor(" in f_back and "async_op" not in f_back
           and params["async_op"].default is False)
+
+
+def planner_per_layer(r0) -> None:
+    """Prints and claims ``planner.TP_MESSAGES_PER_LAYER``, the tensor-parallel collectives
+    ``plan_row`` counts per layer and micro-batch, against section 2's MLP (``r0``: rank 0's
+    recorded passes).
+
+    Shown in lesson 11, §5."""
+    from dpcourse import planner
+
+    per_layer = planner.TP_MESSAGES_PER_LAYER
+    print("tensor-parallel collectives per layer and micro-batch:", per_layer)
+    claim(f"the planner's per-layer count, {per_layer} (the forward's once more when "
+          f"recomputed), is twice what section 2's MLP made (forward {len(r0['forward'])}, "
+          f"backward {len(r0['backward'])}); no attention is built here: that Megatron's "
+          "attention has the same f/g pair is assumed, from Shoeybi et al. 2019, §3",
+          per_layer == {"forward": 2 * len(r0["forward"]), "backward": 2 * len(r0["backward"])})
+
+
+def planner_tp_columns(options, pub, model, gb: float) -> None:
+    """Prints the planner ranking's TP msgs and TP GB columns (``options[:6]`` and the published
+    row ``pub``, for ``model``; bytes shown in units of ``gb``) and claims what TP msgs counts.
+
+    Shown in lesson 11, §5."""
+    print("    t   p    M  TP msgs  TP GB   (the ranking's rows, per GPU per step)")
+    for r in options[:6] + [pub]:
+        print(f"{r['tp']:5d} {r['pp']:3d} {r['micro_batches']:4d}  {r['tp_messages']:7d}"
+              f" {r['tp_bytes'] / gb:6.0f}")
+    claim("TP msgs = (layers / p) × M × 6: with recomputation (every row here) a layer makes 6 "
+          "tensor-parallel collectives per micro-batch (lab 11 counts them only for MLPs, in "
+          "part 6 for two stacked ones; attention and recomputation are the planner's); the "
+          "folded cell above shows the 6 (planner.TP_MESSAGES_PER_LAYER: twice section 2's "
+          "measured MLP, assuming attention has the same f/g pair, Shoeybi et al. 2019, §3), "
+          "with which collectives they are and their split by pass",
+          all(r["tp_messages"] == model.layers // r["pp"] * r["micro_batches"] * 6
+              for r in options if r["tp"] > 1) and any(r["tp"] > 1 for r in options))

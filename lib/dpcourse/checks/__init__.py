@@ -63,6 +63,13 @@ class LabCheckError(AssertionError):
         super().__init__(message)
         self.message = message
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows in place of the traceback (``InteractiveShell.showtraceback``
+        asks an exception for this first): the sentence alone. The frames would print the
+        check's own source around the failing line, and with it the fix that :func:`fail`
+        holds back until the mistake comes again."""
+        return [f"{type(self).__name__}: {self.message}"]
+
 
 def passed(what: str) -> None:
     """Print the one-line success message.

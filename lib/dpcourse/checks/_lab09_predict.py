@@ -117,8 +117,12 @@ def check_prediction(guess, losses: dict, start_loss: float, lr: float = PREDICT
     The explanation says only what the runs show: where they stay above the start, the runs
     below that boundary that ended above it anyway, and how the boundary moved with the
     budget."""
-    from dpcourse.checks import reveal
+    from dpcourse.checks import Prediction, reveal
 
+    if not isinstance(guess, Prediction):
+        raise TypeError(f"check_prediction's first argument is the Prediction that "
+                        f"predict(...) returned (guess, in the lab), not {type(guess).__name__} "
+                        f"{guess!r}: pass guess, the value of the predict(...) cell.")
     if losses and all(isinstance(v, dict) for v in losses.values()):
         by_budget = {int(k): v for k, v in losses.items()}
     else:

@@ -106,7 +106,9 @@ def run_server(server_cls, tau: int) -> dict:
     return out
 
 
-def diagnose_server(run: dict) -> None:
+def diagnose_server(run: dict, server_cls=None) -> None:
+    """Raise LabCheckError naming the mistake in one run of :func:`run_server`, or return
+    quietly; with ``server_cls``, a rule no candidate matches is tried at τ = 0 too."""
     __tracebackhide__ = True
     tau = run["tau"]
     at = f"with τ = {tau}"
@@ -160,8 +162,28 @@ def diagnose_server(run: dict) -> None:
             return
         cause, fix = _RULE_MISTAKES[name]
         fail(cause.format(at=at) + "." if "{at}" in cause else f"{cause} ({at}).", fix=fix)
+    if server_cls is not None:
+        _check_fresh_step(server_cls)
     fail(f"your weights after {STEPS} updates {at} differ from the staleness-aware step's, by "
          f"a rule the check does not recognise.")
+
+
+def _check_fresh_step(server_cls) -> None:
+    """A run at τ = 0 (every gradient fresh) must be plain SGD: name a server that is not."""
+    __tracebackhide__ = True
+    fresh = run_server(server_cls, 0)
+    if "raised" in fresh or not isinstance(fresh.get("w"), torch.Tensor):
+        return
+    plain = run_server(_rule_server(_RULES["plain"]), 0)["w"]
+    if fresh["w"].shape != plain.shape or float((fresh["w"].double() - plain).abs().max()) <= 1e-5:
+        return
+    try:
+        step = f" ({server_steps(server_cls, tau=0, steps=1)[0]:.3g}·lr)"
+    except Exception:  # noqa: BLE001 - the sentence stands without the number
+        step = ""
+    fail(f"at τ = 0 (every gradient fresh) your server must be plain SGD with step lr; yours "
+         f"took a different step for a fresh gradient{step}.",
+         fix="give a gradient of staleness 0 the step lr, the contract's τ = 0 run.")
 
 
 # The stretch's checkable fact: the learner writes down, before the check runs, the step each
@@ -249,7 +271,7 @@ def check_staleness_aware(server_cls, my_steps=None, taus=AWARE_TAUS) -> None:
     # τ = 0 last: there every gradient is fresh, and rules that differ only for stale ones (or
     # only for fresh ones) look alike, so the stale runs name the rule first
     for tau in sorted(taus, key=lambda t: t == 0):
-        diagnose_server(run_server(server_cls, tau))
+        diagnose_server(run_server(server_cls, tau), server_cls)
     steps = _check_my_steps(server_cls, my_steps)
     full = [k for k, x in enumerate(steps) if abs(x - 1) < 1e-5]
     passed(f"steps of lr / max(1, staleness) for τ = {', '.join(map(str, taus))}; in the "

@@ -218,6 +218,13 @@ def _diagnose_order(trace: dict, at: str) -> None:
     __tracebackhide__ = True
     if trace.get("late"):
         k, what = trace["late"][0]
+        if k >= STEPS:   # every batch had its gradient: this pull belongs to none
+            fail(f"your loop pulled once more after the gradients of all {STEPS} batches were "
+                 f"computed ({at}): each gradient must be computed on the weights of its own "
+                 f"pull, right after it, so a loop pulls once per batch — one that pulls for "
+                 f"the next batch before it has taken one pulls once too often when the "
+                 f"batches run out.", fix="pull after taking a batch, then compute its gradient "
+                                          "at once.")
         fail(f"you kept the weights of batch {k}'s pull and computed its gradient only after "
              f"your loop's next {what} ({at}): a worker computes while nothing else happens — "
              f"what waits in flight is a gradient, not weights still to be used.",

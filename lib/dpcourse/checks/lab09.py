@@ -27,16 +27,18 @@ batch must still change the weights once, in batch order; it names a loop that r
 once (the second refusal let escape, or the batch then dropped), the refusal let escape, the refused
 batch dropped, the same gradient pushed again, a gradient recomputed on the refused one's
 weights, a new gradient for the wrong batch, one queued behind newer ones, and a retry pushed
-with the old version. A loop whose τ = 2 calls differ from part 1's trace is named by the spy's
-run for τ = 2 (an off-by-one in the gradients in flight, arguments swapped) before the call
-that differs.
+with the old version. A loop whose τ = 2 calls differ from part 1's trace is named first by
+which pull's weights each gradient got (two gradients on one pull, a pull no gradient got),
+then by the spy's run for τ = 2 (an off-by-one in the gradients in flight, arguments swapped),
+before the call that differs.
 
 ``check_staleness_aware`` (the stretch) runs the learner's server class under the reference
 loop for τ = 0, 2 and 5 and replays the candidate step rules to name the one used: no
 scaling, lr / (s + 1), lr · s, lr / √s, self.lr itself divided (the step shrinks for good), a
 division by zero for fresh gradients; and the bookkeeping
 mistakes: staleness not recorded, counted the wrong way round or after the version moved,
-the version never increased. Then ``my_steps``, the step each of the τ = 5 run's 10 updates
+the version never increased; a rule none of these matches is tried at τ = 0, where it must be
+plain SGD. Then ``my_steps``, the step each of the τ = 5 run's 10 updates
 takes as a multiple of lr, written by the learner before the run (from part 1's trace and the
 learner's own rule, the fresh step included), must be what the learner's server does: a
 staleness that grows without bound, every gradient τ stale, staleness one off, and a fresh step
@@ -200,14 +202,21 @@ def _check_against_own_trace(loop, trace) -> None:
              "yet: this check holds your loop to the calls you wrote there.",
              fix="run part 1's check and finish the trace first.")
     server = _TraceServer()
+    used = []   # per gradient: (its batch, the pull whose weights it got or -1, calls before)
+
+    def compute_gradient(w, batch):
+        pull = int(w.item()) if isinstance(w, torch.Tensor) and w.numel() == 1 else -1
+        used.append((batch, pull, len(server.calls)))
+        return torch.tensor(float(batch))
+
     try:
-        loop(server, lambda w, batch: torch.tensor(float(batch)), list(range(TRACE_BATCHES)),
-             TRACE_TAU)
+        loop(server, compute_gradient, list(range(TRACE_BATCHES)), TRACE_TAU)
     except (Exception, _Misuse, _Endless):  # noqa: BLE001 - the runs below name it
         return
     made = server.calls
     if made == calls:
         return
+    _diagnose_own_pulls(made, used)
     # the spy's run for the same τ names the mistake by its cause where it can (a comparison
     # off by one, arguments swapped, ...); the call that differs is the fallback
     diagnose_loop(trace_loop(loop, TRACE_TAU))
@@ -219,6 +228,40 @@ def _check_against_own_trace(loop, trace) -> None:
          f"calls, and call {i + 1} differs from your own trace of part 1: the loop made {mine}, "
          f"your trace says {yours}. The loop and your trace describe different workers.",
          fix="walk your loop through the five batches by hand, call by call, beside your trace.")
+
+
+def _diagnose_own_pulls(made: list, used: list) -> None:
+    """The contract's first rule, read from the τ = 2 run on the server that writes down its
+    calls (its weights are the pull's own number): each gradient computed on the weights of a
+    pull of its own, right after it. Names a gradient computed on another gradient's pull, and
+    a pull whose weights no gradient got (a loop that pulls for the next batch before it has
+    one)."""
+    __tracebackhide__ = True
+    pull_calls = [n for n, c in enumerate(made) if c[0] == "pull"]
+    owner = {}   # pull number -> the batch of the first gradient computed on its weights
+    for batch, pull, _ in used:
+        if not 0 <= pull < len(pull_calls) or not isinstance(batch, int):
+            continue
+        if pull in owner:
+            fail(f"for τ = {TRACE_TAU} and {TRACE_BATCHES} batches your loop computed two "
+                 f"gradients on the weights of one pull (call {pull_calls[pull] + 1}): each "
+                 f"gradient must be computed on the weights of its own pull, right after it; "
+                 f"yours computed gradient {batch} on the weights pulled for gradient "
+                 f"{owner[pull]}.",
+                 fix="pull once for every batch, just before computing that batch's gradient.")
+        owner[pull] = batch
+    if len(owner) < len(used):   # some gradients' weights unknown: the runs below name it
+        return
+    unused = [p for p in range(len(pull_calls)) if p not in owner]
+    if unused and len(used) == TRACE_BATCHES:
+        p = unused[-1]
+        fail(f"for τ = {TRACE_TAU} and {TRACE_BATCHES} batches your loop pulled "
+             f"{len(pull_calls)} times, and no gradient was computed on the weights of pull "
+             f"{p + 1} (call {pull_calls[p] + 1}): each gradient must be computed on the weights "
+             f"of its own pull, right after it, so a loop pulls once per batch — one that pulls "
+             f"for the next batch before it has taken one pulls once too often when the "
+             f"batches run out.",
+             fix="pull after taking a batch, then compute its gradient at once.")
 
 
 @recorded
