@@ -679,6 +679,16 @@ class NamedFromBuckets(Good):
                                                    if p not in self.arrived))
 
 
+class NamedLastBucketFirst(Good):
+    # every waiting bucket's names, the last bucket's first, one line each, a KeyError
+    def require_complete(self):
+        if any(self.missing):
+            name_of = {p: n for n, p in self.module.named_parameters()}
+            raise KeyError("\n".join(f"bucket {i}: {name_of[p]}"
+                                     for i in reversed(range(len(self.buckets)))
+                                     for p in self.buckets[i] if p not in self.arrived))
+
+
 class SameObject(Good):
     # `p.grad is not view` instead of comparing storage: right. Torch keeps one Python object
     # per tensor, so once p.grad = view, p.grad is view until autograd hands a fresh tensor
@@ -691,7 +701,7 @@ class SameObject(Good):
 
 
 RIGHT_WRAPPERS = [Good, DivideAfterWait, ViewsFromTheStart, FuturesAndReversedTiling, AverageOp,
-                  SetEveryTime, NamedFromBuckets, SameObject]
+                  SetEveryTime, NamedFromBuckets, NamedLastBucketFirst, SameObject]
 
 
 @pytest.mark.parametrize("cls", RIGHT_WRAPPERS)
@@ -1004,6 +1014,17 @@ class BucketNamed(Good):
             raise RuntimeError(f"no gradient in {lost}")
 
 
+class FirstWaitingBucketNamed(Good):
+    # issue (learner's run): names only the parameters of the FIRST incomplete bucket; every
+    # other bucket still waiting goes unnamed
+    def require_complete(self):
+        if any(self.missing):
+            first = next(i for i, m in enumerate(self.missing) if m)
+            lost = [n for n, p in self.module.named_parameters()
+                    if p in self.where and self.where[p][0] == first and p not in self.arrived]
+            raise RuntimeError(f"no gradient for {lost}")
+
+
 class UnnamedUnused(Good):
     def require_complete(self):
         if any(self.missing):
@@ -1039,6 +1060,9 @@ WRONG_WRAPPERS = [
                               "set_to_none=False.*returned on rank 0 although"),
     (SilentOnUnused, "(?s)returned on rank 0 although their bucket never became complete.*"
                      "stale or this rank's own"),
+    (FirstWaitingBucketNamed, "(?s)your error names head.weight and head.bias but not shift, "
+                              "which is in bucket 3 that never went out either: a bucket left "
+                              "waiting is not the only one"),
     (UnnamedUnused, "its message does not name head.weight and head.bias"),
     (ArrivalsNeverReset, "its message does not name head.weight and head.bias"),
     (BucketNamed, "(?s)also names hidden.*which did get a gradient"),

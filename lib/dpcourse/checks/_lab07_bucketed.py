@@ -158,4 +158,5 @@ def check_bucketed_ddp(cls, configs=CONFIGS, timeout: float | None = None) -> No
     passed(f"{cls.__name__}: one async all-reduce per bucket, launched in bucket order as soon "
            f"as it could be, waited before the step; gradients are views of the buckets; "
            f"weights == DDP's after {_STEPS} steps on {shown}; a float64 layer beside float32 "
-           f"ones averaged in its own bucket; a parameter left without a gradient is named")
+           f"ones averaged in its own bucket; every parameter left without a gradient is named, "
+           f"in every bucket")

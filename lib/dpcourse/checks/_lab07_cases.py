@@ -1,7 +1,8 @@
-"""Lab 07 part 2's two extra models: one of two dtypes (part 1's buckets hold one dtype each, so
-the wrapper's flat buffers must too), and one whose second step leaves a trainable parameter
-out (its bucket is never complete: the wrapper must raise, name it, and leave nothing in
-flight). Run by :func:`dpcourse.checks.lab07.check_bucketed_ddp` after the main model passes."""
+"""Lab 07 part 2's extra models: one of two dtypes (part 1's buckets hold one dtype each, so
+the wrapper's flat buffers must too), and those whose second step leaves trainable parameters
+out, in one bucket or in two (those buckets are never complete: the wrapper must raise, name
+every one of them, and leave nothing in flight). Run by
+:func:`dpcourse.checks.lab07.check_bucketed_ddp` after the main model passes."""
 
 from __future__ import annotations
 
@@ -123,15 +124,41 @@ class _ShiftNet(nn.Module):
         return self.net(x + self.shift if self.use_shift else x)
 
 
+class _BothNet(nn.Module):
+    """`shift` registered first (the last bucket) and `head` registered last (bucket 0), both
+    left out while ``use_both`` is False: two buckets never complete, and the error must name
+    the parameters of both, not only those of the first bucket left waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(3, 1, 1))
+        self.net = _CheckNet()
+        self.head = nn.Linear(10, 10)
+        self.use_both = True
+
+    def forward(self, x):
+        return self.head(self.net(x + self.shift)) if self.use_both else self.net(x)
+
+
 # The models and how step 2 (the one that leaves a parameter out) starts. `head` (bucket 0):
 # gradients zeroed in place first — then `head.grad` still holds step 1's tensor, so "no
 # gradient" cannot be read from `p.grad is None` — and then, on a fresh model, set to None.
 # `shift` (the last bucket): the buckets before it were launched, and the error must not leave
-# them in flight.
-_UNUSED_CASES = (("head", False), ("head", True), ("shift", True))
-_UNUSED_NAMES = {"head": ("head.weight", "head.bias"), "shift": ("shift",)}
+# them in flight. `both` (bucket 0 and the last bucket): every incomplete bucket's parameters
+# must be named, not the first one's only.
+_UNUSED_CASES = (("head", False), ("head", True), ("shift", True), ("both", True))
+_UNUSED_NAMES = {"head": ("head.weight", "head.bias"), "shift": ("shift",),
+                 "both": ("head.weight", "head.bias", "shift")}
+_UNUSED_MODELS = {"head": _UnusedNet, "shift": _ShiftNet, "both": _BothNet}
 _UNUSED_WHERE = {"head": "registered last, so in bucket 0",
-                 "shift": "registered first, so in the last bucket"}
+                 "shift": "registered first, so in the last bucket",
+                 "both": "head registered last, so in bucket 0, and shift registered first, "
+                         "so in the last bucket"}
+
+
+def _listed(names) -> str:
+    return " and ".join(names) if len(names) < 3 else \
+        f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _unused_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
@@ -151,7 +178,7 @@ def _unused_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
     with record_collectives(before=before, after=after):
         for which, set_to_none in _UNUSED_CASES:
             torch.manual_seed(0)
-            module = (_UnusedNet() if which == "head" else _ShiftNet()).to(dev)
+            module = _UNUSED_MODELS[which]().to(dev)
             model = cls(module, bucket_cap_mb=cap_mb)
             torch.manual_seed(1 + rank)
             x, y = torch.randn(4, 3, 32, 32, device=dev), torch.arange(4, device=dev)
@@ -176,17 +203,22 @@ def _unused_worker(rank: int, world_size: int, cls, cap_mb: float) -> dict:
                     break
             used = [n for n, p in module.named_parameters()
                     if p.requires_grad and n not in _UNUSED_NAMES[which]]
-            out[which, set_to_none] = {"said": said, "used": used, "in_flight": in_flight}
+            index = {id(p): i for i, b in enumerate(getattr(model, "buckets", None) or ())
+                     for p in b}
+            bucket_of = {n: index.get(id(p)) for n, p in module.named_parameters()
+                         if n in _UNUSED_NAMES[which]}
+            out[which, set_to_none] = {"said": said, "used": used, "in_flight": in_flight,
+                                       "bucket_of": bucket_of}
     return out
 
 
 def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
     """Models with a trainable parameter that the second step's forward leaves out (`head`,
-    registered last, so in bucket 0; `shift`, registered first, so in the last bucket):
-    finish_gradient_synchronization() must return after step 1 and raise after step 2, naming
-    that parameter and no other — whether step 2 began with the gradients zeroed in place
-    (``head.grad`` then still holds a tensor) or set to None — and leave none of the
-    all-reduces it launched in flight."""
+    registered last, so in bucket 0; `shift`, registered first, so in the last bucket; both at
+    once): finish_gradient_synchronization() must return after step 1 and raise after step 2,
+    naming every parameter left out, in every bucket, and no other — whether step 2 began with
+    the gradients zeroed in place (``head.grad`` then still holds a tensor) or set to None — and
+    leave none of the all-reduces it launched in flight."""
     __tracebackhide__ = True
     from .. import devices
 
@@ -196,7 +228,7 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                              "launch the same all-reduces (or none) and wait only on those.")
     for which, set_to_none in _UNUSED_CASES:
         names = _UNUSED_NAMES[which]
-        unused = " and ".join(names)
+        unused = _listed(names)
         how = f"zero_grad(set_to_none={set_to_none})"
         stale = "" if set_to_none else (
             f" After {how}, a parameter the backward left out still has a .grad (step 1's "
@@ -207,7 +239,7 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
             if r["said"][1] is not None:
                 fail(f"finish_gradient_synchronization() raised on rank {rank} after a backward "
                      f"in which every parameter got a gradient ({r['said'][1][:200]}) — on a "
-                     f"model with a parameter `{which}` that the next step's forward leaves out.",
+                     f"model with {unused}, which the next step's forward leaves out.",
                      fix=("reconsider what tells your wrapper that a gradient is missing: its "
                           "own record of this backward, not what happens to sit in p.grad."))
             said = r["said"][2]
@@ -221,11 +253,28 @@ def _check_unused(cls, timeout: float, cap_mb: float = CONFIGS[0][1]) -> None:
                           "buckets that never became complete (lesson 07 §6 does not return "
                           "there)."))
             missing = [n for n in names if n not in said]
+            named = [n for n in names if n in said]
+            where = r.get("bucket_of", {})
+            if missing and named and None not in where.values() and \
+                    not {where[n] for n in missing} & {where[n] for n in named}:
+                late = sorted({where[n] for n in missing})
+                fail(f"on a model whose {unused} ({_UNUSED_WHERE[which]}) got a gradient in "
+                     f"step 1 but none in step 2, finish_gradient_synchronization() raised on "
+                     f"rank {rank} ({said[:200]}): your error names {_listed(named)} but "
+                     f"not {_listed(missing)}, which "
+                     f"{'is' if len(missing) == 1 else 'are'} in "
+                     f"bucket{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} that "
+                     f"never went out either: a bucket left waiting is not the only one. The "
+                     f"contract asks for every parameter that got no gradient, in whichever "
+                     f"bucket it waits.",
+                     fix=("reconsider where your wrapper looks for the parameters that never "
+                          "arrived: in the first bucket still waiting, or in every bucket that "
+                          "never became complete?"))
             if missing:
                 fail(f"on a model whose {unused} got a gradient in step 1 but none in step 2 "
                      f"(step 2 began with {how}), finish_gradient_synchronization() raised on "
                      f"rank {rank} ({said[:200]}), but its message does not name "
-                     f"{' and '.join(missing)}, so whoever trains the model cannot find it."
+                     f"{_listed(missing)}, so whoever trains the model cannot find it."
                      f"{stale}",
                      fix=("reconsider what your wrapper remembers of THIS backward's arrivals: "
                           "is it enough to tell which parameters never came, whatever p.grad "

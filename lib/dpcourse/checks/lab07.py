@@ -39,9 +39,9 @@ fresh gradient never reached the bucket: a view made p.grad once and trusted, or
 pointed back at the view and the fresh tensor dropped), views that
 overlap or point into another bucket, add_ where copy_ belongs (three ways), a missing or
 fixed division; a value wrong in no known way gets the launch and arrival times of its bucket.
-Then a parameter the second step leaves out (in the first bucket, then in the last): no error,
-an error that names it wrongly, and an error raised with launched all-reduces still in
-flight.
+Then parameters the second step leaves out (in the first bucket, in the last, in both): no
+error, an error that names them wrongly or names only the first waiting bucket's, and an error
+raised with launched all-reduces still in flight.
 
 ``check_topk_hook`` (the stretch) runs the learner's DDP communication hook — top-k with
 error feedback — in real DDP on 2 and 3 ranks and compares every call with a replay of the
