@@ -218,8 +218,8 @@ claim(f"bytes per worker: the simulator's count == ring.ring_bytes_per_worker in
 # *pipelined*, cut into segments that travel one behind another, §4; NCCL's tree pipelines,
 # folded below). So, in the model, of all five: at N a power of two Rabenseifner's never
 # loses to the ring or the tree; at other N the ring wins big messages (Rabenseifner's then pays
-# two extra K-byte steps); the tree never wins (of naive, ring and tree, it wins small messages
-# on many workers); the server may, if N pushes cost one α. Real parameter servers shard: TF's
+# two extra K-byte steps); the tree never wins (against only the naive way and the ring, it
+# wins small messages on many workers); the server may, if N pushes cost one α. Real parameter servers shard: TF's
 # `ParameterServerStrategy` puts whole variables on its S servers round robin (splitting one
 # only with a `variable_partitioner`), so about NK/S per link when the variables are many and
 # alike (it trains asynchronously by default, lesson 09; the NK/S per link is a synchronous

@@ -380,8 +380,8 @@ claim(f"bucketed: one all-reduce per bucket per step ({len(buckets)} buckets, no
 
 # %% [markdown]
 # ### When DDP makes and remakes its buckets
-# *When* DDP makes its buckets decides which gradients share one (the claims at this
-# section's start checked each case). Two flags of the constructor decide it:
+# *When* DDP makes its buckets decides which gradients share one (the claims above checked the
+# table's first two rows, lesson 03's runs the third). Two flags of the constructor decide it:
 # `find_unused_parameters=True` says a step may leave parameters without a gradient, and
 # `static_graph=True` promises that every step uses the same parameters in the same order.
 # Left at its default, `None` (25 MiB), `bucket_cap_mb` gives the first of the buckets made

@@ -69,7 +69,8 @@ torch.set_num_threads(1)
 # Three questions are yours:
 #
 # - when the cap is tested: once a parameter has joined the open bucket, or before it joins
-#   (then a parameter that would take the bucket past the cap closes it and starts the next);
+#   (tested before, a parameter that would take the bucket past the cap closes it and starts
+#   the next);
 # - a parameter arrives whose dtype is not the open bucket's (it cannot join that buffer):
 #   is that bucket closed there, or does it stay open beside a new one — and if it stays, does
 #   it keep a size count of its own;
