@@ -85,6 +85,12 @@ viz.show(fig, "two training images of each class: random place, size and colour 
               "background, so the model must learn the pattern, not a pixel.")
 
 # %% [markdown]
+# **▶ How the images are made: `data.make_shapes10`** (click the folded cell below).
+
+# %% jupyter={"source_hidden": true, "outputs_hidden": true}
+viz.show_code(data.make_shapes10, folded="▶ code: data.make_shapes10")
+
+# %% [markdown]
 # The same seed gives the same images again, and a different seed different ones — which is
 # what lets a test (and you) rely on them. The cell checks it in this process, on this machine;
 # it does not test another machine.
@@ -524,8 +530,9 @@ claim("the per-sample Python transform: over 20% of the step waits for data, mor
 # safer in float32 (the loss among them, as the cell below checks) stay in float32. Which
 # 16-bit type is a choice, not a property of the device. `torch.autocast` defaults to float16
 # on CUDA and bfloat16 on a CPU, and this library keeps those defaults (`train.autocast_for`).
-# float16's small range makes tiny gradients underflow to zero — hence a `GradScaler` that
-# multiplies the loss up before backward and the gradients back down before the step.
+# float16's small range makes tiny gradients lose digits below its smallest normal number
+# (6.1e-5) and become zero below about 3e-8 — hence a `GradScaler` that multiplies the loss
+# up before backward and the gradients back down before the step.
 # bfloat16 has float32's range: no scaler needed. GPUs from NVIDIA's Ampere generation on
 # (A100, H100) compute in bfloat16 too, so there `autocast(dtype=torch.bfloat16)` without a
 # scaler is the simpler choice; the library's float16 + `GradScaler` also runs on older GPUs.
@@ -543,6 +550,9 @@ claim("torch's autocast defaults: float16 on CUDA, bfloat16 on a CPU",
 claim("bfloat16 has float32's range (the same smallest normal number); float16's smallest "
       "normal number is 6.1e-05 and its largest 65504",
       bf16.tiny == fp32.tiny and fp16.tiny < 6.2e-5 and fp16.max == 65504)
+tiny = torch.tensor([2.0**-24, 2.0**-26])        # 6.0e-08 and 1.5e-08, then kept in float16
+claim("in float16, 2**-24 (6.0e-08) survives as a subnormal, with one significant bit; "
+      "2**-26 (1.5e-08) becomes 0", tiny.half().tolist() == [2.0**-24, 0.0])
 
 # %% [markdown]
 #
@@ -974,7 +984,7 @@ viz.quiz(quizzes.questions("01"))
 #   takes `torch.get_autocast_dtype(device_type)` when no dtype is given); "The autocast state is
 #   thread-local". Which ops run in which dtype is autocast's op list (the Autocast Op Reference
 #   in PyTorch's documentation); this lesson checks the one it relies on, cross-entropy, on this
-#   machine. `torch/nn/functional.py` — `cross_entropy` (~l. 3561) calls
+#   machine. `torch/nn/functional.py` — `cross_entropy` (l. 3478; the call, l. 3561) calls
 #   `torch._C._nn.cross_entropy_loss`, which runs `log_softmax`, then `nll_loss`.
 #   `torch/include/ATen/autocast_mode.h` — the float32 list CUDA registers, `AT_FORALL_FP32`
 #   (~855), has `nll_loss` (~884) and no `cross_entropy_loss`; `log_softmax` is only in
@@ -1005,9 +1015,9 @@ viz.quiz(quizzes.questions("01"))
 #   "ieee"). `torch/__init__.py` — `get_float32_matmul_precision` returns
 #   `_C._get_float32_matmul_precision()`; `torch/__init__.py` — `compile`: "inductor" is the
 #   default backend (`torch/_dynamo/backends/registry.py` — `_default_backend`);
-#   `torch/_inductor/codecache.py` —
-#   `PersistentCache.lookup` (line 431) and `torch/_inductor/select_algorithm.py` —
-#   `create_precompile_key` call it when Inductor caches and precompiles its choice of matmul
+#   `torch/_inductor/codecache.py` — `PersistentCache.lookup` (line 413; it reads the
+#   precision at line 431) and `torch/_inductor/select_algorithm.py` — `create_precompile_key`
+#   call it when Inductor caches and precompiles its choice of matmul
 #   kernels. The values each knob takes are checked in C++ (`_set_fp32_precision_setter`);
 #   on torch 2.14.1 the CUDA knobs refuse "bf16" ("backend 'cuda' does not support precision
 #   'bf16'"), the generic level and `torch.backends.mkldnn.matmul` (CPUs) accept it (claimed

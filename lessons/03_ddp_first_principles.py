@@ -80,8 +80,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # Each process is a **rank** `0 … world_size−1`. To talk, they first meet at a **rendezvous**:
 # here a TCP **store** (a small key-value server through which the ranks swap the addresses
 # they need to connect) at `MASTER_ADDR:MASTER_PORT`, which rank 0 hosts under `spawn` (under
-# `torchrun`, lesson 04's launcher, with its static or c10d rendezvous, node 0's agent process
-# hosts it and every rank connects; under the legacy etcd one, rank 0). The
+# `torchrun`, lesson 04's launcher, its first node's agent process does, and every rank
+# connects — unless told to use the legacy etcd rendezvous). The
 # **backend** is the library that moves the bytes: **gloo** (a collective communication library
 # from Meta, made for CPU tensors; it runs most collectives on GPU tensors too, slowly, through the
 # CPU's memory: the appendix finds which) or **nccl** (NVIDIA's
@@ -122,14 +122,12 @@ claim("every rank uses the profile's backend", all(a["backend"] == backend for a
 # ## The four collectives
 # A **collective** is an operation that *every* rank of the group calls, in the same order as the
 # others; the table says what it leaves on each rank. With gloo on the CPU the call returns
-# once the result is in the tensor. With nccl it hands the work to the GPU and returns without
-# waiting for it to run (unless `TORCH_NCCL_BLOCKING_WAIT=1`, lesson 10); by default
-# (`async_op=False`; `True` returns at once a *work* handle, whose `wait()` makes what follows
-# wait for the collective: "Buckets, and why the first iteration has only one") later GPU work
-# still runs after it.
+# once the result is in the tensor. With nccl it queues the work on the GPU and returns
+# without waiting for it (unless `TORCH_NCCL_BLOCKING_WAIT=1`, lesson 10); later GPU work still
+# runs after it. With `async_op=True` either call returns at once a *work* handle, whose
+# `wait()` makes what follows wait for the collective.
 # NCCL runs a group's collectives over its *communicator*: the connections between the ranks'
-# GPUs. By default it forms it lazily, at the first collective (lesson 10 shows where that
-# matters).
+# GPUs, formed by default at the first collective (lesson 10 shows where that matters).
 #
 # | collective | every rank gives | every rank gets |
 # |---|---|---|
@@ -495,9 +493,9 @@ else:
 
 # %% [markdown]
 # First the broadcast: every rank builds its model from a *different* seed, and after
-# `DDP(model)` they are equal. (The worker also registers a comm hook, which the next section
-# defines and uses; this one notes which parameters each bucket holds, then averages the
-# bucket through torch's `allreduce_hook`.)
+# `DDP(model)` they are equal. (Its comm hook, defined in the next section, notes each
+# bucket's parameters, then averages it with torch's `allreduce_hook`; the last claim reads
+# its notes.)
 
 # %%
 viz.show_code(ddp.ddp_internals_worker)
@@ -512,6 +510,10 @@ claim("after DDP(model) the weights are equal as values on all ranks (torch.equa
 # that broadcast is gated by init_sync (read in DDP's __init__: Sources); this checks its default
 claim("DDP's init_sync flag defaults to True", inspect.signature(
     torch.nn.parallel.DistributedDataParallel).parameters["init_sync"].default is True)
+kinds = [kind for kind, _ in internals[0]["iterations"][1]]   # rank 0, the second iteration
+claim("in the second iteration rank 0's comm hook got a bucket before the first layer's "
+      "gradient existed: an all-reduce began while the backward still ran",
+      kinds.index("all_reduce") < kinds.index("first_layer_grad"), kinds=kinds)
 
 # %% [markdown]
 # ### Buckets, and why the first iteration has only one
@@ -876,10 +878,10 @@ print(f"after the last gradient, backward() waited for communication {tail['0']:
 # Read the cell above in two parts. The time until the last gradient is compute alone in
 # iteration 0, the run's first backward, which can pay one-time costs there (allocating its
 # memory, say); in iteration 2 it also carries the first buckets' all-reduces, on gloo's threads
-# (NCCL runs them on a GPU stream of its own). The time *after* the last gradient is communication the backward
-# could not hide: in iteration 0 the whole model in one bucket, also its process's first
-# all-reduce; in iteration 2 only what the last buckets still needed. The last line compares
-# iteration 2's tail with the third panel's warm single bucket (timed, one sample each: not asserted). The overlap
+# (NCCL runs them on a GPU stream of its own). The time *after* the last gradient is
+# communication the backward could not hide: in iteration 0 the whole model in one bucket,
+# also its process's first all-reduce; in iteration 2 what the last buckets still needed —
+# fewer bytes, though on these shared cores not always less time. The overlap
 # rests on the bucket's all-reduce being *asynchronous*: torch's `allreduce_hook` (our hook's)
 # runs `dist.all_reduce(..., async_op=True)`, and DDP's internal `_AllReduceBySumCommHook` (its
 # path without a hook) likewise returns a future from its `runHook`, so the backward goes on

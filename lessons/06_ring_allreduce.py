@@ -139,7 +139,7 @@ for n in range(2, 17):
         assert all(np.allclose(b, np.sum(arrs, axis=0), atol=1e-4) for b in tr.result)
         k = length * 4  # bytes
         sent = tr.bytes_sent()
-        assert sent == ring.ring_bytes_per_worker(length, n, itemsize=4)
+        assert sent == ring.ring_bytes_per_worker(length, n, itemsize=4)   # its code: §2, folded
         # within one element per step of 2(N-1)K/N, and exactly that when N divides the length
         assert all(abs(s - 2 * (n - 1) * k / n) <= 2 * (n - 1) * 4 for s in sent)
         if length % n == 0:
@@ -459,7 +459,8 @@ else:
 # Plug into the model **published link bandwidths** (their
 # inverse is a link's β: the wire alone, no additions) — and
 # an assumed α of 10 µs — to *predict* how long one all-reduce of ResNet-50's gradients (25.6 M float32 values, about 102 MB) takes on
-# 8 GPUs with a ring:
+# 8 GPUs with a ring (NCCL may run another algorithm there — NVLS on NVSwitch servers beats
+# the ring's bound, folded below — so these are ring predictions, not what a server does):
 #
 # * NVLink 4 (H100 SXM) — NVIDIA's direct GPU-to-GPU link inside one server: 900 GB/s per GPU
 #   in both directions together, so 450 GB/s each way;

@@ -436,7 +436,7 @@ viz.show(viz.reducer_figure(),
 # ## 4. Measuring the overlap on a CPU — and predicting it
 # In the model below, overlap saves at most **min(B, C − C_last)**: B the backward, C all the
 # all-reduces, C_last the last bucket's, which cannot start before the backward ends. The
-# section goes: the runs, the model and its prediction, its clean test on a simulated wire
+# section goes: the runs, the model and its prediction, its test on a simulated wire
 # that takes (almost) no CPU, then gloo's runs, whose all-reduces share the backward's cores,
 # so they may show no clear gain — this machine's wire, not overlap failing.
 #
@@ -703,7 +703,7 @@ def sweep_verdict(a, b):
 
 # %% [markdown]
 # ### When the wire takes (almost) no CPU
-# The model's clean test takes the CPU out of the communication: one process, the same MLP,
+# The model's test with the CPU taken out of the communication: one process, the same MLP,
 # the same 4 MiB buckets, and for each bucket's all-reduce a thread that **sleeps** as long as
 # the message would take, one message at a time — a simulated network that uses no core while
 # it sleeps (sleeping releases the GIL), though it wakes, and takes the GIL back, to end each
@@ -826,6 +826,10 @@ print(f"backward, overlapped minus control (median of paired rounds): {d_bwd:+.1
       "calibration's stayed within 5%); what did is not isolated here") if close(d_cal) else
       f"the calibration, with no wire time at all, moved by {abs(d_cal) / wire_backward:.0%} of "
       f"B: that is this comparison's noise, so it cannot show the compute undisturbed"))
+wire_said = ("overlap paid by the sign test" if way == -1 else "the sign test could not tell "
+             "the steps apart") + (", and the model's saving held within that run's noise"
+                                   if abs(diff) <= noise else ", and the model's saving missed "
+                                   "by more than that run's noise")   # for section 4's summary
 claim("the bound is B here (C − C_last is larger), and the model's saving is below it: the "
       "wire starts only once the first bucket is complete",
       c_total - c_last > wire_backward > predicted["calibration"])
@@ -911,7 +915,7 @@ display(Markdown(
     f"noise floor), more than the predicted saving at {sum(0 < v < noise_ms for v in saving)} of "
     f"the {sum(v > 0 for v in saving)} caps where the model predicts one. With {os.cpu_count()} "
     f"cores for {world_size} ranks' backwards and gloo threads, only the sleeping wire above "
-    f"tests the model cleanly. No GPU run is stored."))
+    f"keeps the messages off the CPU; there {wire_said}. No GPU run is stored."))
 viz.show_code(experiments.overlap_verdicts,
               folded="▶ code: experiments.overlap_verdicts, the paragraph's first sentences")
 

@@ -13,8 +13,7 @@
 # - explain what asynchronous training buys (no waiting for stragglers, slow workers: timed
 #   here against the synchronous server) and what it costs (stale gradients, computed on
 #   weights τ updates old), and measure when staleness makes a run end above its starting
-#   loss, and how a smaller step, or the staleness-aware one (here a smaller fixed step after
-#   the first τ updates), makes it end below;
+#   loss, and how a smaller step, or the staleness-aware one, makes it end below;
 # - average the weights only every H steps (local SGD), dividing communication by H; measure
 #   the replicas' drift between averages, and test loss and accuracy against DDP's on the same
 #   batches;
@@ -613,7 +612,7 @@ claim(f"... but at τ = {taus[-1]} it ends worse than fresh SGD (τ = 0), in eve
 
 # %% [markdown]
 # With a constant τ, though, this simulator cannot tell the staleness-aware step from a
-# smaller fixed step after the first τ updates (the numbers: folded, open after the stretch).
+# schedule of steps fixed in advance (why, and the numbers: folded, open after the stretch).
 #
 # **▶ What did the server's *awareness* add? — open after your lab passes, stretch included**
 # (click the folded text and the folded cell below).
@@ -882,8 +881,8 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   gradients are stale. In the simulator τ = 0 is SGD exactly; over the
 #   sweep's seeds, the delay at which most runs ended above their start shrank as the step
 #   grew, and near it the seeds split; dividing the step by the staleness rescued most of the
-#   large step's runs, at the price of slower progress, but with a constant τ that step is a
-#   smaller fixed one after the first τ updates.
+#   large step's runs, at the price of slower progress, but a constant τ cannot show what its
+#   awareness adds (folded in §2).
 # - Local SGD keeps the lockstep and averages weights every H steps: H = 1 is DDP for SGD
 #   (with momentum and weight decay too), not for Adam (measured), the bytes sent fall as
 #   1/H (the all-reduces less: one bucket in DDP, one per tensor here), the

@@ -537,8 +537,10 @@ claim("rank 1 left the loop and its program ended; rank 0, waiting in the next a
       in exit_lines[0] and exit_after < 20, seconds=exit_after)
 
 # %% [markdown]
-# So on gloo, on one machine, a hang means that every rank's process is still running: a rank
-# whose process exits makes its peers fail within seconds, each with an error that says only
+# So on gloo, on one machine, once the group is formed a hang means that every rank's process
+# is still running (a rank that dies before `init_process_group` completes leaves its peers
+# waiting in the rendezvous until its timeout): a rank whose process exits makes its peers
+# fail within seconds, each with an error that says only
 # that the peer left (the bug is still to be found in the rank that left: it made fewer
 # calls). That takes the exited rank's operating system closing its connections: gloo raises
 # "Connection closed by peer" when a read finds the end of the stream. A node that loses power
@@ -1225,6 +1227,10 @@ viz.quiz(quizzes.questions("10"))
 # Every statement above about torch's internals was checked in the installed torch 2.14.1, or,
 # where marked, in its upstream C++ source:
 #
+# - `torch/distributed/rendezvous.py` — `_create_c10d_store` (lines 205-222): under `env://`
+#   rank 0 hosts a `TCPStore(world_size=…, is_master=True, timeout=…)`, which by default waits
+#   for every rank to connect (`wait_for_workers`, `torch/_C/_distributed_c10d.pyi` line 329):
+#   a rank that dies before connecting leaves the others waiting until that timeout.
 # - `torch/distributed/distributed_c10d.py` — `monitored_barrier`: it raises "monitored_barrier
 #   requires a group with a CPU-capable backend (e.g. GLOO)" unless `torch.device("cpu")` is in
 #   the group's `_device_types`, so a device-qualified group such as `"cpu:gloo,cuda:nccl"` is

@@ -254,9 +254,9 @@ labels = torch.as_tensor(data.load("shapes10", n_train=8, n_test=101, seed=0).y_
 always_right = labels.clone()
 N = lab04.PREDICTION_RANKS
 per_rank = [macro_f1(labels[r::N], always_right[r::N]) for r in range(N)]  # rank r: r, r + N, ...
-print(f"whole test set: {macro_f1(labels, always_right):.2f}; ranks: "
-      f"{', '.join(f'{v:.2f}' for v in per_rank)}")
-lab04.check_prediction(guess, labels, per_rank)
+whole = macro_f1(labels, always_right)
+# prints both measurements, once your prediction (the cell above: run it first) is recorded
+lab04.check_prediction(guess, labels, per_rank, whole)
 
 # %% [markdown]
 # ## Stretch (optional): resume after a crash, exactly
@@ -333,18 +333,14 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # %% [markdown]
 # <details><summary>▶ Hint 2 — the idea</summary>
 #
-# The weights and SGD's momentum are the same on every rank (DDP keeps them so), so rank 0's
-# copy stands for all. Dropout draws its masks from a generator, and after the model is built
-# each rank's generator is seeded differently: each rank's state is its own, and it moved
-# with every mask drawn. Rank 0 can only write what reaches it; on resume, each rank needs its
-# own back, and after wrapping the model DDP moves only gradients (all-reduced) and, for a
-# model with buffers, rank 0's buffers before a synced forward (SmallCNN has none). So what
-# is each rank's alone must travel to rank 0 first, and it is no tensor: torch.distributed's
-# collectives are not only for tensors, some carry any Python object (they pickle it), though
-# no lesson has used them yet. On a GPU, dropout on a CUDA tensor draws from that GPU's
-# generator, which `torch.get_rng_state` does not hold. A save cut short is the given
-# `save_checkpoint`'s concern: it leaves the old file whole until the new one is complete
-# (lesson 04, §3).
+# Sort what epoch 2 reads into two piles: what is the same on every rank, so that rank 0's
+# copy stands for all, and what each rank holds alone. For each item, ask what keeps the ranks
+# in step: DDP's all-reduce of the gradients, a seed or number the loop sets again by itself
+# (which lines set one, and from what?), or nothing at all. What the loop rebuilds needs no
+# place in the file; what is one rank's own and moved with every step does, though only rank 0
+# writes the file. Then ask where a training step on a GPU would keep that state. A save cut
+# short is the given `save_checkpoint`'s concern: it leaves the old file whole until the new one
+# is complete (lesson 04, §3).
 #
 # </details>
 
@@ -352,8 +348,9 @@ plan = predict("lab04", lab04.RESUME_PLAN_QUESTION, my_plan, choices=lab04.RESUM
 # <details><summary>▶ Hint 3 — the shape of the code</summary>
 #
 # Save: every rank contributes its generator states (the CPU's, and `torch.cuda`'s for every
-# device, an empty list without a GPU) to an object collective, which pickles any Python
-# object (`dist.all_gather_object` fills a list, one entry per rank, on every rank;
+# device, an empty list without a GPU: dropout on a CUDA tensor draws from that GPU's own
+# generator, which `torch.get_rng_state` does not hold) to an object collective, which pickles
+# any Python object (`dist.all_gather_object` fills a list, one entry per rank, on every rank;
 # `dist.gather_object` fills it on its `dst` rank only); then rank 0 alone writes one dict
 # with `save_checkpoint`: the plain model's weights, the
 # optimizer's state dict, the epoch, that list. Resume: no file, return 0; else on every rank

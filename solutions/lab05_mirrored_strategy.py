@@ -85,8 +85,10 @@ from dpcourse.checks import lab05, predict
 # <details><summary>▶ Hint 2 — where to read</summary>
 #
 # TensorFlow describes this split in a docstring: `_LegacyRebatchDataset`, in
-# `tensorflow/python/data/experimental/ops/distribute.py` (under `site-packages`). Its example
-# cuts 8 samples, batched by 4, over 3 replicas. What does the third replica get in each step?
+# `tensorflow/python/data/experimental/ops/distribute.py` (under `site-packages`). Read its
+# first two sentences, and stop before its example, which gives the answer away. How
+# many sub-batches does it make of each batch, whatever the batch's size? When a batch holds
+# fewer samples than there are replicas, what can a replica's sub-batch then be?
 #
 # </details>
 

@@ -179,6 +179,24 @@ def test_prediction_is_compared_and_explained(value, verdict, capsys):
     assert "Nothing was sorted by class" in out, out
 
 
+def test_the_measurement_shows_nothing_before_a_prediction(capsys):
+    # the lab's measurement cell prints the ranks' values through check_prediction, which
+    # refuses first when the prediction cell has not given it a recorded prediction
+    import torch
+
+    from dpcourse import data
+
+    labels = torch.as_tensor(data.load("shapes10", n_train=8, n_test=101, seed=0).y_test)
+    per_rank = [0.8] * lab04.PREDICTION_RANKS
+    for guess in (None, 0.75):
+        with pytest.raises(LabCheckError, match="needs your prediction first"):
+            lab04.check_prediction(guess, labels, per_rank, 1.0)
+        assert capsys.readouterr().out == ""
+    source = (ROOT / "solutions" / "lab04_ddp_in_practice.py").read_text()
+    measure = source.index("per_rank = [macro_f1(")
+    assert "print(" not in source[measure:source.index("lab04.check_prediction(", measure)]
+
+
 def _namespace_of_solution() -> dict:
     return lab04._namespace(_solution_script())
 
@@ -368,6 +386,18 @@ F1_WRONG = {
         STRIDED + _COUNT2.replace("dtype=torch.int64, device=device)", "dtype=torch.int64)")
         + REDUCE2, "the tensor of shape (2, 10) that rank 0 passed to all_reduce is not on "
                    "`device`"),
+    # right value and size, but made on a device written out: "cpu" is the host on GPUs too
+    "counts_on_a_written_cpu": (
+        STRIDED + _COUNT2.replace("device=device)", 'device="cpu")') + REDUCE2,
+        "the tensor of shape (2, 10) that rank 0 passed to all_reduce was made on the CPU by "
+        "name (device='cpu')"),
+    # the learner's pD: "cpu" everywhere, predictions and labels moved there before counting
+    "everything_on_a_written_cpu": (
+        STRIDED + _COUNT2.replace("device=device)", "device=torch.device('cpu'))")
+        .replace("model(X.to(device)).argmax(1), y.to(device)",
+                 "model(X.to(device)).argmax(1).cpu(), y.cpu()") + REDUCE2,
+        "on NCCL every tensor a collective gets must be on this rank's GPU; yours was made on "
+        "the CPU"),
     "result_tensor_on_the_host": (
         STRIDED + _COUNT2 + "    dist.all_reduce(counts)\n"
         "    tp, both = counts.double()\n"
@@ -547,6 +577,17 @@ F1_RIGHT = {
     # float32 holds every whole number up to 2^24 = 16,777,216: exact for 10^5 images
     "float32_counts": (
         STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.float32") + REDUCE2),
+    # the device read back from a tensor on it, or written as its name: both are `device`
+    "device_of_the_predictions": (
+        STRIDED + _COUNT2.replace("    counts = torch.zeros(2, NUM_CLASSES, dtype=torch.int64, "
+                                  "device=device)\n", "    counts = None\n")
+        .replace("            counts[0] +=",
+                 "            if counts is None:\n"
+                 "                counts = torch.zeros(2, NUM_CLASSES, dtype=torch.int64,\n"
+                 "                                     device=predicted.device)\n"
+                 "            counts[0] +=") + REDUCE2),
+    "device_as_a_string": (
+        STRIDED + _COUNT2.replace("device=device)", "device=str(device))") + REDUCE2),
     "int32_counts": (STRIDED + _COUNT2.replace("dtype=torch.int64", "dtype=torch.int32") + REDUCE2),
     # counted on the host, moved to the device for the collective
     "host_counts_moved": (
@@ -571,6 +612,7 @@ def test_right_f1_variants_pass(name):
     ("tp_fp_fn", "3 per class", "write 2·P·R/(P + R) as one fraction"),
     ("counts_on_the_host", "No backend type associated with device type cpu",
      "torch.zeros(..., device=device)"),
+    ("counts_on_a_written_cpu", "yours was made on the CPU", "never write a device out"),
     ("float16_counts", "is torch.float16, which holds whole numbers exactly only up to 2,048",
      "float32 (exact up to 2^24 = 16,777,216)"),
 ])
@@ -1417,6 +1459,24 @@ def test_the_device_spy_follows_where_tensors_would_live():
     assert [on_device(t) for t in (host, made_there, moved, computed, back_on_host, like, tp,
                                    both)] == [False, True, True, True, False, True, True, True]
     assert count_numbers([[1, 2.0], {"a": torch.zeros(2, 3)}, "text"]) == 8
+
+
+def test_the_device_spy_tells_a_written_cpu_from_the_device_the_check_gives():
+    import torch
+
+    from dpcourse.checks._lab04_exchange import _NAMED, WhereTensorsLive, mark, on_device
+
+    device = torch.device("cpu", 0)  # what the check hands evaluate_f1
+    weight = torch.ones(3)
+    mark(weight, True)
+    with WhereTensorsLive(device):
+        written = torch.zeros(3, device="cpu")
+        read_back = torch.zeros(3, device=(weight * 2).device)
+        named = torch.zeros(3, device=str(device))
+        moved_to_cpu = weight.to("cpu")
+    assert [on_device(t) for t in (written, read_back, named, moved_to_cpu)] == [
+        False, True, True, False]
+    assert getattr(written, _NAMED) == "cpu" and getattr(moved_to_cpu, _NAMED) == "cpu"
 
 
 def test_the_spys_shortcut_finds_the_tensors_pytree_finds():

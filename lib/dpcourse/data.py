@@ -115,6 +115,8 @@ def make_shapes10(n: int, seed: int = 0, noise: float = 0.1) -> tuple[np.ndarray
 
     Classes are balanced (``n // 10`` each, the remainder spread over the first classes) and
     shuffled. ``noise`` is the standard deviation of the pixel noise, in [0, 1] units.
+
+    Shown in lesson 01, §"The data".
     """
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be a positive number of images, got {n!r}")

@@ -17,9 +17,12 @@ parameters are); on the host when made without a device, moved with ``.cpu()``, 
 from host tensors only. An in-place op keeps its target where it was (on a GPU, adding a device
 tensor into a host one raises). Where torch returns the tensor itself for a move (the CPU is
 already where it is), the spy returns a copy, as a GPU would, so that both keep their own mark.
-Iterating over a tensor (``tp, both = counts``) keeps the rows where the tensor was. A
-``device`` equal to the CPU cannot be told apart from
-``"cpu"``: such a tensor counts as on the device (the spy only errs towards accepting).
+Iterating over a tensor (``tp, both = counts``) keeps the rows where the tensor was. A device
+written out (``device="cpu"``, ``.to("cpu")``) names the host unless it equals ``device``, and
+the spy notes it for the sentence: so the check hands ``evaluate_f1`` ``torch.device("cpu", 0)``,
+which computes on the CPU but differs from ``"cpu"``, and ``t.device`` of a tensor on the device
+answers that same ``device`` (as ``cuda:0`` would on a GPU). With a ``device`` equal to the CPU
+(the spy's own test) ``"cpu"`` cannot be told apart: such a tensor counts as on the device.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = ["WhereTensorsLive", "ExchangeSpy", "on_device", "mark", "count_number
 REAL_TEST_IMAGES = 10 ** 5
 
 _MARK = "_dpcourse_lab04_on_device"
+_NAMED = "_dpcourse_lab04_named_host"  # the device written out for a tensor put off `device`
 _IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
              "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
              "__setitem__"}
@@ -74,11 +78,26 @@ class WhereTensorsLive(TorchFunctionMode):
         except (TypeError, RuntimeError, ValueError):
             return False
 
+    def _mark_named(self, out, target) -> None:
+        """Mark ``out`` on the device if ``target`` names it, else on the host, noting the
+        device written out (``device="cpu"``): on a GPU that is the host, not this rank's GPU."""
+        where = self._names_the_device(target)
+        mark(out, where)
+        if not where and not isinstance(target, torch.Tensor) and isinstance(out, torch.Tensor):
+            try:
+                setattr(out, _NAMED, str(target))
+            except (AttributeError, RuntimeError):
+                pass
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         first = args[0] if args else None
+        if (name == "__get__" and isinstance(out, torch.device)
+                and getattr(getattr(func, "__self__", None), "__name__", "") == "device"):
+            # t.device: a tensor on the device answers `device` itself, as on a GPU it would
+            return self.device if isinstance(first, torch.Tensor) and on_device(first) else out
         if name in _IN_PLACE or (name.endswith("_") and not name.startswith("_")):
             return out  # in place: the target stays where it was
         if name == "__iter__" and isinstance(first, torch.Tensor):
@@ -93,9 +112,12 @@ class WhereTensorsLive(TorchFunctionMode):
                 where = self._names_the_device(targets[0]) if targets else on_device(first)
             if out is first and where != on_device(first):
                 out = first.clone()  # on a GPU a move makes a new tensor; here torch returns self
-            mark(out, where)
+            if name == "to" and targets:
+                self._mark_named(out, targets[0])
+            else:
+                mark(out, where)
         elif kwargs.get("device") is not None:
-            mark(out, self._names_the_device(kwargs["device"]))
+            self._mark_named(out, kwargs["device"])
         else:
             mark(out, any(on_device(t) for t in _tensors_in(args, kwargs)))
         return out
@@ -206,6 +228,7 @@ class ExchangeSpy:
         self.rank = rank
         self.numbers = 0
         self.off_device: str | None = None
+        self.off_named: str | None = None  # the device written out for it (device="cpu")
         self.averaged = False
         self.narrow: dict | None = None  # the first tensor in a dtype that stops below 10^5
         self.to_one: list = []  # (collective, destination) of those whose result one rank gets
@@ -239,3 +262,4 @@ class ExchangeSpy:
                 if isinstance(t, torch.Tensor) and not on_device(t) and self.off_device is None:
                     self.off_device = (f"the tensor of shape {tuple(t.shape)} that rank "
                                        f"{self.rank} passed to {name}")
+                    self.off_named = getattr(t, _NAMED, None)

@@ -144,7 +144,9 @@ def _f1_worker(rank, world_size, source, n_test, sets=None):
             seen["indices"] = None if None in found else seen["indices"] + found
 
     model.register_forward_hook(count)
-    device = torch.device("cpu")
+    # the CPU, but not "cpu": a tensor made with device="cpu" is then told from one on `device`
+    # (_lab04_exchange), as on GPUs where `device` is cuda:r
+    device = torch.device("cpu", 0)
     for t in [*model.parameters(), *model.buffers()]:
         mark(t, True)  # the model lives on `device`, as the script puts it there
     sent = []
@@ -162,6 +164,7 @@ def _f1_worker(rank, world_size, source, n_test, sets=None):
             if n == n_test:
                 first, first_seen = value, dict(seen)
                 exchange = {"numbers": spy.numbers, "off_device": spy.off_device,
+                            "off_named": spy.off_named,
                             "averaged": spy.averaged, "to_one": list(spy.to_one),
                             "narrow": spy.narrow,
                             "collectives": len(calls) - before}
@@ -385,7 +388,16 @@ def judge_f1(results: list, n_test: int) -> str:
                      f"none of the usual mistakes.",
              fix="compute F1 once, from counts added up over every rank's images.")
     _judge_dtype(results, n_test, where)
-    off = next((r["off_device"] for r in results if r.get("off_device")), None)
+    off, named = next(((r["off_device"], r.get("off_named")) for r in results
+                       if r.get("off_device")), (None, None))
+    if off and named:
+        fail(where + f"{off} was made on the CPU by name (device={named!r}), not on the "
+                     f"`device` your function is given: on NCCL every tensor a collective gets "
+                     f"must be on this rank's GPU; yours was made on the CPU (here gloo took it; "
+                     f"on GPUs this call raises RuntimeError: No backend type associated with "
+                     f"device type cpu).",
+             fix="never write a device out: make the tensor with device=device, the argument "
+                 "(on GPUs it is this rank's cuda:r), or move it there with .to(device).")
     if off:
         fail(where + f"{off} is not on `device`: it was made without device= (or moved off "
                      f"it) and never moved there. Here every rank computes on the CPU, so gloo "

@@ -3,7 +3,8 @@ to whole global batches (:func:`padded_epoch`). ``check_padded_epoch`` runs the 
 ``train_epoch`` on it, eagerly and in tf.function, and names a wrong epoch by the one-device
 replay whose weights it reproduced: the padding trained on, or the right samples divided by the
 padded batch (:data:`_PADDED_DIVISORS`); then it checks an epoch of padding alone leaves the
-weights where they are.
+weights where they are, and names a nan there that came from the gradient, not the loss (a
+tf.where guard over an unsafe division), by the losses :class:`_lab05_epoch._LossSpy` noted.
 
 Kept apart from :mod:`dpcourse.checks._lab05_epoch` (the partial last batch), whose one-device
 replay and runner it uses. Imported by :mod:`dpcourse.checks.lab05`, where the lab calls it.
@@ -16,7 +17,7 @@ import functools
 
 import numpy as np
 
-from dpcourse.checks import fail, passed, recorded
+from dpcourse.checks import _lab05_epoch, fail, passed, recorded
 from dpcourse.checks._lab05_common import strategies_for, tf
 from dpcourse.checks._lab05_epoch import (_first_line, _fresh_run, _replay, _same, _stretch_model)
 from dpcourse.checks._lab05_pipeline import stretch_data, stretch_global
@@ -135,8 +136,23 @@ def _check_all_padding(train_epoch, strategy) -> None:
           f"weight w is 0)")
     start = _stretch_model().get_weights()
     for traced in (False, True):
-        got = _run_padded(train_epoch, strategy, traced, at, data=data)
+        # the loss each replica differentiated, where the step runs eagerly (looked up on the
+        # module, so a test's spy stands in for it)
+        with _lab05_epoch._LossSpy() as spy:
+            got = _run_padded(train_epoch, strategy, traced, at, data=data)
         how = "wrapped in tf.function" if traced else "run as written"
+        losses = spy.last_step(n)
+        if (not all(np.all(np.isfinite(v)) for v in got) and losses is not None
+                and all(np.isfinite(losses))):
+            fail(f"the weights became nan after a step of padding alone {at}, {how}, though "
+                 f"every replica's loss was finite ({', '.join(f'{v:.4g}' for v in losses)}): "
+                 f"a guard such as tf.where(count > 0, sum / count, 0.0) picks the value, but "
+                 f"its gradient still flows through the division it did not pick, and the "
+                 f"gradient of 0/0 is nan (0 x inf) — one nan in a gradient makes every weight "
+                 f"nan after apply_gradients.",
+                 fix="Make the division itself safe, not just the value it gives: "
+                     "tf.math.divide_no_nan(sum, count), or divide by tf.maximum(count, a "
+                     "small positive number).")
         if not all(np.all(np.isfinite(v)) for v in got):
             fail(f"the weights became nan after a step of padding alone {at}, {how}: the step's "
                  f"real samples add up to 0, and its weighted sum of losses, 0, divided by that "

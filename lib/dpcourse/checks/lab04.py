@@ -27,7 +27,8 @@ script so that it equals one process.
    precision or only the recall, counts passed in a dtype that cannot hold every count of the
    contract's 10^5-image test set exactly (float16, bfloat16, uint8: ``_lab04_exchange``
    records the dtype handed to each collective; float32, exact up to 2^24, and the 32- and
-   64-bit integers pass), a tensor made on the host (NCCL would refuse it), a tensor
+   64-bit integers pass), a tensor made on the host or on a device written out (``"cpu"``:
+   NCCL would refuse it), a tensor
    returned instead of a float (the torchrun part names a tensor saved under 'f1' too). Counts averaged with ``ReduceOp.AVG`` pass, and the ✔ says why.
 2. It runs the whole script under torchrun (2 processes) and compares the weights it writes to
    ``--out`` with one process trained on the global batch, and the F1 it saved with one
@@ -174,17 +175,24 @@ PREDICTION_RANKS = 8  # the lab's 101 test images dealt round-robin to 8 ranks (
 PREDICTION_QUESTION = ("mean of 8 ranks' macro-F1, always right, 101 images dealt round-robin")
 
 
-def check_prediction(guess, labels, per_rank) -> None:
+def check_prediction(guess, labels, per_rank, whole=None) -> None:
     """Compare the learner's prediction of the mean of the ranks' macro-F1 (a model that is
     always right; ``labels`` dealt round-robin, rank r holding ``labels[r::N]`` with N =
     ``len(per_rank)``; ``per_rank`` each rank's measured macro-F1) with the measured mean, and
-    explain the gap: every rank scores the classes it holds 1 and the ones it lacks 0."""
+    explain the gap: every rank scores the classes it holds 1 and the ones it lacks 0.
+    ``whole``, the whole set's macro-F1, is printed with the ranks' values, and only after
+    ``guess`` is found to be a recorded prediction: nothing measured shows before it is."""
     __tracebackhide__ = True
     import torch
 
-    from dpcourse.checks import reveal
+    from dpcourse.checks import Prediction, reveal
 
+    if not isinstance(guess, Prediction):
+        fail(f"the measurement needs your prediction first, got {type(guess).__name__}: write "
+             f"your number in the prediction cell above, run it, then run this cell again.")
     labels = torch.as_tensor(labels)
+    if whole is not None:
+        print(f"whole test set: {whole:.2f}; ranks: {', '.join(f'{v:.2f}' for v in per_rank)}")
     N = len(per_rank)
     measured = sum(per_rank) / N
     held = [len(set(labels[r::N].tolist())) for r in range(N)]
@@ -198,6 +206,7 @@ def check_prediction(guess, labels, per_rank) -> None:
         f"{' or '.join(map(str, sizes))} images per rank, a fair deal still leaves classes out: "
         f"the ranks held {', '.join(map(str, held))} of the {classes} classes, so they reported "
         f"{', '.join(f'{v:.1f}' for v in per_rank)}, mean {measured:.2f}, where the whole set's "
-        f"macro-F1 is 1.00. Nothing was sorted by class: the shortcut loses more the more ranks "
+        f"macro-F1 is {1.0 if whole is None else whole:.2f}. Nothing was sorted by class: the "
+        f"shortcut loses more the more ranks "
         f"share a small test set, and counts added over the ranks lose nothing (a class a rank "
         f"lacks adds zeros)."))

@@ -43,9 +43,9 @@ replicas do not divide handled by the learner's own decision, the dataset functi
 2 workers), and ``train_epoch`` over an epoch whose last batch is padded with weight-0 samples
 (:func:`dpcourse.checks._lab05_padded.check_padded_epoch`: the padding trained on, divided by
 the padded size, unweighted, a replica's own weights; a step of padding alone must leave the
-weights unchanged: nan (0/0) and a step trained on its padding named). ``check_partial_batch_epoch`` (an epoch
-whose last step is short, for a whole ``train_epoch``) stays for courses that ask for it; part
-1's check runs its epoch.
+weights unchanged: nan (0/0), a tf.where guard's nan gradient under a finite loss, and a step
+trained on its padding named). ``check_partial_batch_epoch`` (an epoch whose last step is short,
+for a whole ``train_epoch``) stays for courses that ask for it; part 1's check runs its epoch.
 What every runner shares is in :mod:`dpcourse.checks._lab05_common`. Every name the lab and the
 tests use is importable from here.
 
