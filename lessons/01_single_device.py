@@ -33,7 +33,8 @@
 #
 # The parameters cell below is what an instructor changes (with papermill, a tool that runs a
 # notebook with new values for the cell tagged `parameters`) to run this lesson
-# at a larger scale, e.g. `-p dataset cifar10 -p n_train 50000 -p epochs 10`.
+# at a larger scale, e.g. `-p dataset cifar10 -p n_train 50000 -p epochs 10` (lessons 04–06
+# call it `data_name`).
 
 # %% tags=["parameters"]
 dataset = "shapes10"  # "shapes10" (offline, made on the fly) or "cifar10" (if you have it)
@@ -975,8 +976,6 @@ viz.quiz(quizzes.questions("01"))
 #   (hence `zero_grad`).
 # - `torch/nn/modules/dropout.py` — `Dropout`: "During training, randomly zeroes some of the
 #   elements ... with probability p" (none when p = 0).
-# - `torch/optim/adam.py` — `_single_tensor_adam`: `exp_avg_sq.mul_(beta2).addcmul_(grad, grad,
-#   ...)` and a step divided by its square root: not linear in the gradient.
 # - `torch/optim/optimizer.py` — `Optimizer.zero_grad(set_to_none=True)`: the gradients become
 #   `None` (`set_to_none` defaults to `True`).
 # - `torch/amp/autocast_mode.py` — `autocast`: "ops run in an op-specific dtype chosen by

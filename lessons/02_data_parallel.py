@@ -277,9 +277,8 @@ viz.show_code(viz.dp_step_figure, folded="▶ code: viz.dp_step_figure (the arro
 # autograd node of each replica's backward, the broadcast's backward node for the reduce onto
 # device 0, and a clock around each call device 0 makes alone. We run two steps and draw the
 # second (the first pays one-off costs). One thing in it belongs to the CPU, not to
-# DataParallel: autograd's engine starts a worker thread, with a queue of its own, for each GPU
-# (`start_device_threads`, `device_ready_queues_`), and runs CPU work in the thread that called
-# `backward()`. On GPUs each replica's part of the backward runs on its own device's thread,
+# DataParallel: autograd's engine starts a worker thread for each GPU (Sources), and runs CPU
+# work in the thread that called `backward()`. On GPUs each replica's part of the backward runs on its own device's thread,
 # so those parts can overlap; here every "device" is the CPU, so they take turns in one thread.
 # This run can show only the CPU case:
 

@@ -80,8 +80,8 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # Each process is a **rank** `0 … world_size−1`. To talk, they first meet at a **rendezvous**:
 # here a TCP **store** (a small key-value server through which the ranks swap the addresses
 # they need to connect) at `MASTER_ADDR:MASTER_PORT`, which rank 0 hosts under `spawn` (under
-# `torchrun`, lesson 04's launcher, its first node's agent process does, and every rank
-# connects — unless told to use the legacy etcd rendezvous). The
+# `torchrun`, lesson 04's launcher, usually a process of torchrun's own on the first node;
+# lesson 04 and Sources give the exceptions). The
 # **backend** is the library that moves the bytes: **gloo** (a collective communication library
 # from Meta, made for CPU tensors; it runs most collectives on GPU tensors too, slowly, through the
 # CPU's memory: the appendix finds which) or **nccl** (NVIDIA's

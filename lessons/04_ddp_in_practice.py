@@ -504,7 +504,8 @@ claim("with the atomic save it found the previous complete checkpoint, then the 
 # 2. **a mean of means:** each rank computes its accuracy and the ranks average them; when the
 #    shards differ in size, a short shard weighs as much as a long one;
 # 3. **padded duplicates:** `DistributedSampler` (shuffle or not) makes every shard equally long
-#    by appending the first images of its order to the end of the list before it deals the list
+#    by appending the first images of its order to the end of the list (the whole list again,
+#    as often as needed, when the padding is longer than it) before it deals the list
 #    out (rank r takes positions r, r + N, ...): with 201 test images on 2 ranks the list is 202
 #    long, and its first image goes to rank 0 at position 0 and again to rank 1 at position 201.
 #    Each rank evaluates it once; the job evaluates it twice, 202 images for 201.
@@ -1736,8 +1737,8 @@ viz.quiz(quizzes.questions("04"))
 #   device per collective: `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp` —
 #   `usedDeviceIdxs_` ("Device Indexes used for all collectives in this group"), `guessDeviceId`.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__`: pads the indices to a
-#   multiple of `num_replicas` by appending the first ones (`indices += indices[:padding_size]`),
-#   or truncates them locally with `drop_last=True`, then deals them out
+#   multiple of `num_replicas` by appending the first ones (`indices += indices[:padding_size]`;
+#   the list repeated, lines 118-123, when the padding is longer than it), or truncates them locally with `drop_last=True`, then deals them out
 #   (`indices[rank:total_size:num_replicas]`); `set_epoch` seeds the shuffle with
 #   `seed + epoch`; the class docstring: `seed` "should be identical across all processes".
 # - `torch/utils/data/sampler.py` — `RandomSampler.__iter__`: `torch.randperm(n,

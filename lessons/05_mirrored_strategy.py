@@ -865,9 +865,8 @@ claim("and so do the losses of every step (to 1e-5)",
 # %% [markdown]
 # ## 6. Keras `fit` under the strategy
 #
-# `fit` does all of the above for you: build and compile inside `strategy.scope()`, pass a
-# dataset batched with the global batch, and Keras splits batches, scales the loss and
-# all-reduces the gradients. Its loss is a Keras loss object, so its scaling is the one
+# Under `fit`, pass a dataset batched with the global batch, and Keras splits batches, scales
+# the loss and all-reduces the gradients. Its loss is a Keras loss object, so its scaling is the one
 # section 5's folded table measured.
 #
 # **▶ `fit` and regularisers (lab 05 part 1's penalty decision, answered) — open after your lab

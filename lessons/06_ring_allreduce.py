@@ -459,8 +459,8 @@ else:
 # Plug into the model **published link bandwidths** (their
 # inverse is a link's β: the wire alone, no additions) — and
 # an assumed α of 10 µs — to *predict* how long one all-reduce of ResNet-50's gradients (25.6 M float32 values, about 102 MB) takes on
-# 8 GPUs with a ring (NCCL may run another algorithm there — NVLS on NVSwitch servers beats
-# the ring's bound, folded below — so these are ring predictions, not what a server does):
+# 8 GPUs with a ring (NCCL may pick another algorithm on such servers, folded below, so these
+# are ring predictions, not what a server does):
 #
 # * NVLink 4 (H100 SXM) — NVIDIA's direct GPU-to-GPU link inside one server: 900 GB/s per GPU
 #   in both directions together, so 450 GB/s each way;

@@ -135,8 +135,11 @@ for kind in ("after_backward", "per_parameter"):
 # [lab07_inside_ddp](../labs/lab07_inside_ddp.ipynb) and write `assign_buckets` by DDP's rule.
 # Its part 2 and its stretch wait until the end of section 6.
 #
-# Our `overlap.assign_buckets` stands in for the buckets DDP **rebuilds** after the first
-# backward, walking the parameters reversed (so a convolution's bias before its weight). Real
+# By default DDP starts with a single bucket (parameters of one dtype) and, before the second
+# forward, **rebuilds** its buckets by the cap in the order the first backward's gradients
+# arrived. Our
+# `overlap.assign_buckets` stands in for those, walking the parameters reversed (so a
+# convolution's bias before its weight). Real
 # DDP's own buckets, read from its reducer at construction, after the first backward, after
 # the second forward and after two steps, say where the two agree and where they do not (when
 # and why DDP makes and remakes them: after the equality check below):

@@ -11,7 +11,7 @@
 # **You will be able to:**
 # - say where a data-parallel rank's memory goes with mixed-precision Adam — 16 bytes per
 #   parameter, split 2 + 2 + 12 in the ZeRO paper, 4 + 4 + 8 with fp32 weights (FSDP2 here)
-#   — and count it on a real run;
+#   — and count it on a real (small, CPU) run;
 # - build ZeRO stages 1, 2 and 3 from collectives you know, and prove each one trains like
 #   DDP (to float rounding), frozen and tied parameters included;
 # - count what each stage sends per step, and explain why, with gradients and weights in one

@@ -15,8 +15,8 @@
 #   weights τ updates old), and measure when staleness makes a run end above its starting
 #   loss, and how a smaller step, or the staleness-aware one, makes it end below;
 # - average the weights only every H steps (local SGD), dividing communication by H; measure
-#   the replicas' drift between averages, and test loss and accuracy against DDP's on the same
-#   batches;
+#   the replicas' drift between averages, and test loss and accuracy against H = 1, which is
+#   DDP (shown);
 # - try the linear scaling rule of thumb and warmup on a larger global batch.
 #
 # **Time:** about 55 minutes to read and run.
@@ -225,8 +225,8 @@ viz.show_code(viz.ps_traffic_figure, folded="▶ code: viz.ps_traffic_figure")
 # (here the last one sleeps a little per gradient, a straggler), only for its own round trip
 # to the server, which can include waiting behind other workers' pushes: the server takes one
 # at a time, so with many fast workers that queue grows with N. The price: while a
-# worker computed, others pushed, so its gradient was computed on weights that are now
-# several updates old — it is **stale**. Each message carries the version of the weights
+# worker computed, others pushed, so its gradient may have been computed on weights that
+# are now updates old — it is **stale** (the slowest worker's most of all). Each message carries the version of the weights
 # (the number of updates so far), so the server can count the staleness of every update.
 
 # %%
@@ -867,8 +867,10 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # warmup, and warmup only cost progress (how much: the last sentence above; its ramp's share
 # of this short run, against Goyal et al.'s, is printed with the runs). Warmup also cannot
 # rescue an lr that is too large for the whole run, only one the first steps cannot take.
-# Past some batch size (the *critical batch size*, McCandlish et al. 2018; lesson 11 §1) no
-# lr recovers the small batch's progress per epoch: more data per step stops helping.
+# And no lr recovers all of the small batch's progress per epoch: in McCandlish et al.'s
+# model (2018; lesson 11 §1) a batch B needs 1 + B/B_noise times the examples of a tiny one,
+# twice at B = B_noise, the *critical batch size*; far above it, more data per step stops
+# helping.
 #
 # ## Summary
 # - A parameter server pulls and pushes over point-to-point messages; synchronous, it is DDP
@@ -891,7 +893,7 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 #   seed; §3 prints how accuracy ranks the H too). Torch ships it
 #   (`PeriodicModelAverager`, post-local SGD); DiLoCo adds an outer Nesterov step on the
 #   averaged change.
-# - Linear scaling, a rule of thumb for SGD below the critical batch size: k× the batch, k×
+# - Linear scaling, a rule of thumb for SGD well below the critical batch size: k× the batch, k×
 #   the lr (Adam's quoted √k rule not run: §4); here (momentum, one seed) it closed most of the
 #   gap to the small batch, not all. Warmup is meant for an lr that only the first steps cannot
 #   take; this problem has no such phase, and the run shows the cost of its long ramp (§4), not

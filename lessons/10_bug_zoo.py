@@ -539,10 +539,10 @@ claim("rank 1 left the loop and its program ended; rank 0, waiting in the next a
 # %% [markdown]
 # So on gloo, on one machine, once the group is formed a hang means that every rank's process
 # is still running (a rank that dies before `init_process_group` completes leaves its peers
-# waiting in the rendezvous until its timeout): a rank whose process exits makes its peers
-# fail within seconds, each with an error that says only
-# that the peer left (the bug is still to be found in the rank that left: it made fewer
-# calls). That takes the exited rank's operating system closing its connections: gloo raises
+# waiting in the rendezvous until the store's timeout): a rank whose process exits makes its
+# peers fail within seconds, each with an error that says only that the peer left (the bug
+# is still to be found in the rank that left: it made fewer calls). That takes the exited
+# rank's operating system closing its connections: gloo raises
 # "Connection closed by peer" when a read finds the end of the stream. A node that loses power
 # or its network (lesson 04 runs several nodes) closes nothing: its peers wait out the timeout.
 # This machine has no GPU, so what NCCL does when a peer's process exits is not measured here;
@@ -1228,7 +1228,7 @@ viz.quiz(quizzes.questions("10"))
 # where marked, in its upstream C++ source:
 #
 # - `torch/distributed/rendezvous.py` — `_create_c10d_store` (lines 205-222): under `env://`
-#   rank 0 hosts a `TCPStore(world_size=…, is_master=True, timeout=…)`, which by default waits
+#   rank 0 hosts the store (`is_master=start_daemon`, `start_daemon = rank == 0`), which by default waits
 #   for every rank to connect (`wait_for_workers`, `torch/_C/_distributed_c10d.pyi` line 329):
 #   a rank that dies before connecting leaves the others waiting until that timeout.
 # - `torch/distributed/distributed_c10d.py` — `monitored_barrier`: it raises "monitored_barrier

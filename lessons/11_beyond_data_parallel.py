@@ -302,8 +302,8 @@ steps_rel = {n: 1 + b_simple / (n * gns_per_rank) for n in ranks}
 gain_4_to_32 = steps_rel[4] / steps_rel[32]
 print("steps / fewest steps, at b = 16 per rank: " + ", ".join(
     f"N={n}: {steps_rel[n]:.2f}" for n in ranks))
-claim(f"by this model, from 4 to 32 ranks (8× the GPUs) the steps fall only "
-      f"{gain_4_to_32:.2f}×, not 8×", gain_4_to_32 < 2.5)
+claim(f"by this model, with B_simple for B_noise, from 4 to 32 ranks (8× the GPUs) the steps "
+      f"fall only {gain_4_to_32:.2f}×, not 8×", gain_4_to_32 < 2.5)
 viz.show(viz.noise_scale_figure(b_simple, gns_per_rank, ranks),
          "McCandlish et al.'s model S/S_min = 1 + B_noise/β (learning rate tuned at each β) "
          "evaluated (no training run), "
@@ -574,11 +574,10 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # %% [markdown]
 # What those micro-batches do to the bytes is in the fold "Tensor parallelism's messages
 # weighed against data parallelism's" above (lab 11's answer). In short, tensor
-# parallelism's messages grow with the tokens × width of every micro-batch and sit on the
-# critical path of every layer, between one matmul and the next; data parallelism's grow
-# with the parameters, travel once per step and can overlap the backward (lesson 07). Some
-# of tensor parallelism's can hide behind a matmul that does not need their result (the fold
-# below says which); the rest only with communication–matmul overlap, which
+# parallelism communicates inside every layer of every micro-batch, between one matmul and
+# the next; data parallelism once per step, and it can overlap the backward (lesson 07).
+# Which of tensor parallelism's messages wait on the critical path, the fold below says;
+# those hide only with communication–matmul overlap, which
 # pipelines a collective with the matmul that uses it, piece by piece: Megatron-Core's
 # `tp_comm_overlap` and torch's async tensor parallelism, both off by default and both only
 # in sequence parallelism's layout (the end of this section). So Megatron-LM keeps t ≤ the

@@ -30,8 +30,8 @@ def collectives_figure(before: dict, after: dict):
             _value_box(ax, 0.2, -r, _fmt(before[name][r]), "#fce5cd")
             _value_box(ax, 2.2, -r, _fmt(after[name][r]), "#d9ead3")
             ax.annotate("", (1.42, -r), (0.98, -r), arrowprops=dict(arrowstyle="-|>", lw=0.8))
-    fig.suptitle("The four collectives: every rank calls them and every rank ends with the "
-                 "result (broadcast leaves rank 0's tensor as it was)", fontsize=10)
+    fig.suptitle("The four collectives: every rank calls them and every rank gets a result "
+                 "(reduce_scatter gives each its own piece)", fontsize=10)
     return fig
 
 
