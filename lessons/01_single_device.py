@@ -109,7 +109,8 @@ claim("another seed gives other images", not np.array_equal(x_again, x_other))
 # A step of training is four moves. **Forward**: the model maps a batch `X` to scores (logits).
 # **Loss**: one number saying how wrong the scores are for the labels `y` — here cross-entropy,
 # *averaged* over the batch. **Backward**: autograd fills every parameter's `.grad` with the
-# gradient of that loss. **Step**: the optimizer moves each parameter against its gradient.
+# gradient of that loss. **Step**: the optimizer moves each parameter by a rule of its
+# gradients (SGD: against the gradient; Adam, used below: against a scaled running average).
 
 # %%
 train_loader, test_loader = train.make_loaders(ds, batch_size, seed=seed)
@@ -227,9 +228,8 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 #
 # 1. A bigger batch gives the hardware bigger matrices per step and fewer Python round trips
 #    per sample, which pays off until the hardware is saturated; from there the rate stays
-#    flat. Where that point lies depends on the hardware: a GPU usually needs large batches, while
-#    a CPU with a couple of cores may be saturated by small ones, so here the gain can be
-#    small or lost in the noise.
+#    flat. Where that point lies depends on the hardware: a GPU usually needs large batches, a
+#    CPU fewer; the run below says where it lay here.
 # 2. A bigger batch can also be *slower*: its intermediate tensors grow with it, and once they
 #    no longer fit in the processor's caches every layer reads and writes main memory.
 #
@@ -946,7 +946,8 @@ viz.show_code(train.train_one_epoch, train.evaluate, train.step_phases,
 # - Throughput is what data parallelism multiplies; measure it with repeats and medians, and
 #   look at where the step's time goes before buying more devices: a data-bound step needs a
 #   faster pipeline. More GPUs fed by the same loader would wait on it too; DDP (lesson 03)
-#   gives each GPU a process and a loader of its own.
+#   gives each GPU a process and a loader of its own, which helps where the host has cores to
+#   spare.
 # - AMP runs matmuls and convolutions in 16 bits and keeps sensitive operations, like the loss
 #   computed inside the autocast block, in float32; here it kept the accuracy.
 # - The same seed, code, hardware and threads gave this model bit-identical weights on the CPU

@@ -1738,7 +1738,7 @@ viz.quiz(quizzes.questions("04"))
 #   `usedDeviceIdxs_` ("Device Indexes used for all collectives in this group"), `guessDeviceId`.
 # - `torch/utils/data/distributed.py` — `DistributedSampler.__iter__`: pads the indices to a
 #   multiple of `num_replicas` by appending the first ones (`indices += indices[:padding_size]`;
-#   the list repeated, lines 118-123, when the padding is longer than it), or truncates them locally with `drop_last=True`, then deals them out
+#   the list repeated, lines 118-124, when the padding is longer than it), or truncates them locally with `drop_last=True`, then deals them out
 #   (`indices[rank:total_size:num_replicas]`); `set_epoch` seeds the shuffle with
 #   `seed + epoch`; the class docstring: `seed` "should be identical across all processes".
 # - `torch/utils/data/sampler.py` — `RandomSampler.__iter__`: `torch.randperm(n,

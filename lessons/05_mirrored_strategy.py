@@ -323,9 +323,9 @@ if min(gains) < 1.05:
           "was not 5 % faster than a second epoch that decodes again.")
 else:
     print(f"This run: in every round the cached second epoch was faster than a second epoch that "
-          f"decodes again, a median round {np.median(gains):.1f}x (epochs of a tenth of a second, "
-          f"so the rounds range from {min(gains):.1f}x to {max(gains):.1f}x; median epochs "
-          f"{np.median(second['plain']):.3f} s against {np.median(second['tuned']):.3f} s).")
+          f"decodes again, a median round {np.median(gains):.1f}x (on second epochs of "
+          f"{np.median(second['plain']):.3f} s against {np.median(second['tuned']):.3f} s, "
+          f"medians, so short that the rounds range from {min(gains):.1f}x to {max(gains):.1f}x).")
 if all(d > 0.05 * e2 for d, (_, e2) in zip(first_extra, rounds["plain"])):   # every round
     print(f"In every round, a fresh pipeline that decodes every time took longer over its first "
           f"epoch than over its second, on the same work ({min(first_extra):.3f} s to "
@@ -1053,8 +1053,9 @@ print(f"{policy} vs float32 before training: largest logit difference {logit_gap
 # does not depend on the number of replicas: it restores into a mirrored model or into a plain
 # one-device model alike: a `MirroredVariable` — every weight here — is written from its
 # *primary* copy, with no communication, and restored into every copy. Only a *sync-on-read*
-# variable (one whose copies are meant to differ, such as a metric's running total) is reduced
-# across replicas when it is saved. (In multi-worker training, section 9, TF's guidance is that
+# variable (one whose copies are meant to differ, such as a metric's running total) with SUM
+# or MEAN aggregation is reduced across replicas when it is saved (`ONLY_FIRST_REPLICA` saves
+# replica 0's). (In multi-worker training, section 9, TF's guidance is that
 # every worker calls `save`, since such a reduction is a collective that needs all of them; only
 # the *chief*'s directory is kept — the chief is the one worker that also does the bookkeeping
 # for the cluster, worker 0 unless `TF_CONFIG` names a separate "chief" task — and the others

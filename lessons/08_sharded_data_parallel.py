@@ -84,9 +84,9 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # bf16) keep no master copy: a parameter costs 4 (weights) + 4 (gradients) + 8 (momentum and
 # variance), still 16 but split differently, so each stage saves a different amount — ZeRO-2
 # keeps 4 + 12/N, not 2 + 14/N. (16 persists between steps if `zero_grad()` runs at the top of
-# a step, not right after `step()`: section 3. Autocast also keeps bf16 casts of the weights
-# the backward needs, up to 2 more from forward to backward under DDP; FSDP2 casts one unit
-# at a time.) Below, `saved_tensors_hooks` lists what autograd saves.
+# a step, not right after `step()`: section 3. Autocast also keeps bf16 casts of the
+# weights, up to 2 more: its cache holds every cast until the autocast region exits, and
+# autograd keeps those the backward needs; FSDP2 casts one unit at a time.) Below, `saved_tensors_hooks` lists what autograd saves.
 
 # %%
 viz.show_code(zero.bytes_per_param)
@@ -789,7 +789,7 @@ claim("FSDP2 all-gathers the root's parameters once and the others twice: "
 # tensors. After the backward it does not hook each parameter: it wraps the module's *inputs*
 # in an autograd function whose backward runs when the whole module's backward is done, and
 # calls the group's `post_backward` (free, then reduce-scatter, as section 4's `Zero3`). The
-# first `Linear` here, which gets the data, has no such function (why: folded below). Its
+# first `Linear` here has no such function (why: folded below). Its
 # reduce-scatter runs from the root's final callback, a function the root queues for the end
 # of the whole backward (`_root_post_backward_final_callback` runs `post_backward` for every
 # group the backward did not reach).

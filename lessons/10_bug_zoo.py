@@ -910,8 +910,8 @@ claim("and finds none in a model that uses all its parameters",
 # `torch.save(model.state_dict(), "checkpoint.pt")` on every rank: N writers race on one file.
 # `torch.save` opens the path and writes the zip archive in place (no temporary file, no
 # rename), so the writers' bytes can interleave, on a local disk as on a shared file system,
-# and a reader can meet a torn file. Here the ranks save equal weights, so nothing looks
-# wrong: the detector sees the race, not its damage.
+# and a reader can meet a torn file (read in the source, not shown: here the ranks save equal
+# weights, so nothing looks wrong); the detector sees the race, not its damage.
 # The detector wraps `torch.save` on each rank and reports paths written by more than one
 # rank. Fix: rank 0 writes (atomically: lesson 04), the others wait at a barrier.
 

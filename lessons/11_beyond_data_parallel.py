@@ -196,8 +196,8 @@ claim("from 2 to 4 ranks each rank's parameter shard halves, while the activatio
 print("saved besides the activations:", {n: rs[0]["other_saved"] for n, rs in held.items()},
       "bytes referenced;", {n: rs[0]["other_resident"] for n, rs in held.items()},
       "bytes still held once the forward returns")
-claim("autograd also references whole weights, not shards — three of the four 48 × 48 fp32 "
-      "weights (which three, and why: folded below), the same at "
+claim("autograd also references whole weights, not shards — some of the four 48 × 48 fp32 "
+      "weights (how many, which, and why: folded below), the same at "
       "N = 2 and 4 — but holds none of their bytes after the forward: FSDP2 frees each "
       "unit's gathered storage at its reshard and gathers it again in the backward "
       "(lesson 08's working set, one unit at a time)",
@@ -574,8 +574,8 @@ print(f"section 5's published run: {pub1['global_batch']} sequences per step ove
 # %% [markdown]
 # What those micro-batches do to the bytes is in the fold "Tensor parallelism's messages
 # weighed against data parallelism's" above (lab 11's answer). In short, tensor
-# parallelism communicates inside every layer of every micro-batch, between one matmul and
-# the next; data parallelism once per step, and it can overlap the backward (lesson 07).
+# parallelism communicates inside every layer of every micro-batch; data parallelism once
+# per step, and it can overlap the backward (lesson 07).
 # Which of tensor parallelism's messages wait on the critical path, the fold below says;
 # those hide only with communication–matmul overlap, which
 # pipelines a collective with the matmul that uses it, piece by piece: Megatron-Core's
@@ -1008,8 +1008,8 @@ print(f"point-to-point sends per step: torch {versus['torch_messages']} "
       f"({versus['torch_message_bytes']} bytes), ours {versus['our_messages']} "
       f"({versus['our_message_bytes']} bytes); torch's first step adds "
       f"{versus['torch_setup_messages']} to set its stages up")
-claim("a step of torch's sends what ours sends; only its first step adds the setup "
-      "messages (a warm-up vote and the output metadata)",
+claim("a step of torch's sends what ours sends; only its first step adds setup messages "
+      "(which, read in stage.py: Sources)",
       versus["torch_messages"] == versus["our_messages"]
       and versus["torch_message_bytes"] == versus["our_message_bytes"]
       and versus["torch_setup_messages"] > 0)
@@ -1438,7 +1438,9 @@ step_measured = (planner.megatron_flops_per_step(model, published["global_batch"
 claim(f"Table 1's 148 teraFLOP/s per GPU means a step of {step_measured:.1f} s "
       f"({published['tflops'] / (cluster.peak_flops / 1e12):.0%} of the peak); the planner's "
       f"estimate for that row at {cluster.efficiency:.0%} of the peak, nothing overlapped, "
-      f"{pub['time_s']:.1f} s, is above it by {pub['time_s'] / step_measured - 1:.0%}",
+      f"{pub['time_s']:.1f} s, is above it by {pub['time_s'] / step_measured - 1:.0%} (the "
+      f"planner counts 8Ψ flops per token, equation 3 a little more: the two differ in flops "
+      f"as well as in efficiency)",
       step_measured < pub["time_s"] < 1.2 * step_measured)
 
 # %% [markdown]
