@@ -876,8 +876,8 @@ print(f"after the last gradient, backward() waited for communication {tail['0']:
 
 # %% [markdown]
 # Read the cell above in two parts. The time until the last gradient is compute alone in
-# iteration 0, the run's first backward, which can pay one-time costs there (allocating its
-# memory, say); in iteration 2 it also carries the first buckets' all-reduces, on gloo's threads
+# iteration 0, the run's first backward (why it took longer here than in iteration 2 is not
+# measured); in iteration 2 it also carries the first buckets' all-reduces, on gloo's threads
 # (NCCL runs them on a GPU stream of its own). The time *after* the last gradient is
 # communication the backward could not hide: in iteration 0 the whole model in one bucket,
 # also its process's first all-reduce; in iteration 2 what the last buckets still needed —

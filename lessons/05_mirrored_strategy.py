@@ -154,7 +154,8 @@ viz.show(viz.mirrored_vs_ddp_figure(n_replicas),
 #
 # A strategy sums across replicas with a *cross-device ops* object (`tf.distribute.CrossDeviceOps`).
 # When you pass none, as here, the installed TensorFlow picks one in
-# `MirroredExtended._make_collective_ops_with_fallbacks`:
+# `MirroredExtended._make_collective_ops_with_fallbacks` (in TF 2's eager mode, as here; a TF1
+# session falls back to `ReductionToOneDevice` with any non-GPU device):
 #
 # | the strategy's devices (and the process's GPUs) | cross-device ops | what travels |
 # |---|---|---|
@@ -628,7 +629,7 @@ claim(f"{mirrored.cross_device_ops_in_use(to_one)[0]} gives the default's gradie
 # The loss most Keras 3 code writes is a Keras loss object,
 # `keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)`. A call of a Keras
 # loss with a mean reduction — the default `"sum_over_batch_size"`, or `"mean"` — takes the mean
-# of the per-example values its `call` returns (a scalar it returns as is: no mean, no 1/N;
+# of all the values its `call` returns, one per example here (a scalar it returns as is: no mean, no 1/N;
 # claimed below) and multiplies it by 1 / `num_replicas_in_sync` whenever
 # `tf.distribute.get_strategy()` returns the strategy: in `fit` and in your own `strategy.run`
 # step alike, but also in plain host code under `with strategy.scope()` (with

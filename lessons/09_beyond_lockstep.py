@@ -226,7 +226,8 @@ viz.show_code(viz.ps_traffic_figure, folded="▶ code: viz.ps_traffic_figure")
 # to the server, which can include waiting behind other workers' pushes: the server takes one
 # at a time, so with many fast workers that queue grows with N. The price: while a
 # worker computed, others pushed, so its gradient may have been computed on weights that
-# are now some updates old — it is **stale** (the slowest worker's most of all). Each message carries the version of the weights
+# are now some updates old — it is **stale** (in the two-worker race below, the slow
+# worker's most of all). Each message carries the version of the weights
 # (the number of updates so far), so the server can count the staleness of every update.
 
 # %%

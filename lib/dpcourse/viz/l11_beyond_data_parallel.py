@@ -337,8 +337,9 @@ def planner_figure(rows, labels, gpu_gb: float, cluster):
         for key, colour, name in (("state_bytes", "#1f77b4", "model states"),
                                   ("activation_bytes", "#ff7f0e", "activations"),
                                   ("working_bytes", "#2ca02c", "gathered layers (ZeRO-3)")):
-            ax_mem.barh(y, r[key] / 1e9, left=left, color=colour, label=name if y == ys[0]
-                        else None)
+            shown = any(row[key] for row in rows)   # no legend entry for a part no row has
+            ax_mem.barh(y, r[key] / 1e9, left=left, color=colour,
+                        label=name if y == ys[0] and shown else None)
             left += r[key] / 1e9
         n = r["tp"] * r["pp"] * r["dp"]
         pp_link = cluster.intra_bw if within_nodes(r["tp"] * r["pp"], g) else cluster.inter_bw
