@@ -47,9 +47,9 @@ multiworker_timeout = 90
 # several GPUs it mirrors over the real ones.
 #
 # TensorFlow fixes its device list the first time anything *uses* a device: creating a tensor, a
-# variable, a strategy, a dataset. So the split is the first thing a TF notebook does, in every
-# fresh kernel. (Importing TF is
-# harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables unless you
+# variable, a strategy, a dataset, or listing the logical devices. So the split is the first
+# thing a TF notebook does, in every fresh kernel. (Importing TF, or listing the physical
+# devices, is harmless.) Before importing TF, `dpcourse.mirrored` sets two environment variables unless you
 # set them: `TF_CPP_MIN_LOG_LEVEL=2` (no INFO or WARNING lines from TF's C++; errors still print)
 # and `TF_ENABLE_ONEDNN_OPTS=0` (no oneDNN custom operations, Intel's fast CPU kernels), through
 # `tf_quiet.set_quiet_environment` (its code is folded at the end of this section).
@@ -1319,7 +1319,7 @@ viz.quiz(quizzes.questions("05"))
 # Checked in the installed packages (paths relative to `site-packages`):
 #
 # - `tensorflow/include/absl/base/log_severity.h` — `kInfo = 0`, `kWarning = 1`, `kError = 2`: TF's C++ logs a line whose severity is at least `TF_CPP_MIN_LOG_LEVEL` (upstream `tsl/platform/default/logging.cc`, not installed), so 2 keeps errors.
-# - `tensorflow/python/eager/context.py` — `Context.set_logical_device_configuration`: "Virtual devices cannot be modified after being initialized" once TF has used its devices.
+# - `tensorflow/python/eager/context.py` — `Context.set_logical_device_configuration`: "Virtual devices cannot be modified after being initialized" once TF has used its devices; `list_logical_devices` initializes them (lines 1906-1908), `list_physical_devices` does not.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredStrategy._collective_key_base`, a class attribute under the comment "Only set this in tests", which `MirroredExtended.__init__` copies from its strategy; `MirroredExtended.__init__` keeps the cross-device ops in the private `_cross_device_ops` (no public getter).
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._make_collective_ops_with_fallbacks`: with no `cross_device_ops`, `CollectiveAllReduce` with `RING` on CPUs, and on GPUs when the whole process lists fewer physical GPUs than logical ones (`len(physical_gpus) < len(logical_gpus)`, from `context.list_physical_devices` / `list_logical_devices`, whichever GPUs the strategy uses), else the `NCCL` set in `MirroredExtended.__init__`; `ReductionToOneDevice` for mixed CPU/GPU devices.
 # - `tensorflow/python/distribute/mirrored_strategy.py` — `MirroredExtended._reduce_to`: a reduction to a CPU destination (`strategy.reduce`) goes through `ReductionToOneDevice`; `MirroredExtended._batch_reduce_to`: the replica context's `all_reduce` goes through the strategy's cross-device ops.

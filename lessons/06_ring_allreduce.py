@@ -358,8 +358,10 @@ viz.show(viz.cost_figure(alpha_demo, beta_demo),
 #   still two parameters, α and β.
 #
 # We fit both, plus one (α, β) per N (lowest squared relative error on the measured N,
-# unable to predict another), and print each one's relative error: median, max and root mean
-# square (rms), the one the fits minimise; median and max can favour either model.
+# unable to predict another), and print each one's relative error |predicted − measured| /
+# measured — asymmetric: a model k× too fast scores 1 − 1/k, under 100% however large k is —
+# as median, max and root mean square (rms), the one the fits minimise; median and max can
+# favour either model.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -598,7 +600,8 @@ claim("… and the ring at every other N from 2 to 128 (there Rabenseifner's two
 # %% [markdown]
 # So for big messages, of all five, the model picks Rabenseifner's at every power of two. Why
 # then do torch's gloo backend and NCCL (NVIDIA's GPU collectives, DDP's backend there) use a ring?
-# gloo's `allreduce` offers a ring (its default, which torch uses) and BCube; its
+# gloo's `allreduce` offers a ring (its default, which torch uses) and BCube (a scheme for
+# server-centric networks); its
 # halving-doubling is a separate, older class torch does not call. NCCL rings among other
 # choices (the folded cell below). The model gives every pair of workers a link of its own at full speed. Where links
 # are shared — GPUs on one PCIe bus,

@@ -405,9 +405,9 @@ claim("the backward gathers the layers in reverse: last layer first",
 # any collective (where it computed).
 #
 # Read the ratio for what it measures: a tiny MLP (Ψ = 2,531, about Ψ multiply-adds per
-# example) on the backend printed below — on the cpu profile, gloo between processes, each
-# call moving a few kilobytes. Below, too: a call's median time, their range, and the
-# slowest two calls' share of the sum (one stalled call moves the ratio). It is not what
+# example) on the backend printed below, each call moving a few kilobytes. Below, too: a call's median time, their range, and the
+# slowest two calls' share of the sum (a few slow calls move the ratio; a blocking call's
+# time includes waiting for the other rank to reach it). It is not what
 # ZeRO-3 costs on a real model: there a layer's compute (its parameters times the
 # micro-batch's tokens) is set against the bytes gathered for it (its parameters) at the
 # link's speed, and with enough tokens the compute is the larger. FSDP2's source is written

@@ -95,8 +95,9 @@ print(f"this lesson: {world_size} ranks over {backend}, GPUs or not")
 # *coordinator* (not a worker) runs all training code, creates the variables and sends
 # `tf.function`s to the workers, which read and update the variables on the servers:
 # always asynchronous across workers (replicas in sync only within a worker's GPUs). Variables
-# go round-robin over the servers; an optional *partitioner* cuts one into shards. A failed worker's
-# function is requeued.
+# go round-robin over the servers; an optional *partitioner* cuts one into shards. A failed
+# worker's function is requeued: it runs at least once, and a partial first attempt may
+# already have updated the variables.
 #
 # </details>
 
@@ -869,7 +870,8 @@ print(f"Warmup's run against the scaled run, test loss per epoch: {lag[0]:+.3f} 
 # of this short run, against Goyal et al.'s, is printed with the runs). Warmup also cannot
 # rescue an lr that is too large for the whole run, only one the first steps cannot take.
 # And no lr recovers all of the small batch's progress per epoch: in McCandlish et al.'s
-# model (2018; lesson 11 §1) a batch B needs 1 + B/B_noise times the examples of a tiny one,
+# model (2018; lesson 11 §1) a batch B needs 1 + B/B_noise times the examples of a tiny one
+# (B_noise, the *gradient noise scale*, is the batch whose gradient noise equals its signal),
 # twice at B = B_noise, the *critical batch size*; far above it, more data per step stops
 # helping.
 #
@@ -985,7 +987,8 @@ viz.quiz(quizzes.questions("09"))
 #   `tensorflow/python/distribute/coordinator/cluster_coordinator.py` — `ClusterCoordinator`
 #   (`schedule` dispatches a function to a worker), `Worker._process_closure`, which on a
 #   worker's failure calls `_CoordinatedClosureQueue.put_back` ("Put
-#   the closure back into the queue as it was not properly executed"), and
+#   the closure back into the queue as it was not properly executed"; `schedule`'s docstring,
+#   lines 1504-1508: `fn` runs "at least once" and may be "partially executed"), and
 #   `CoordinationServicePreemptionHandler`: a preempted worker is waited for; a failed
 #   parameter server stops the job.
 # - `torch/optim/sgd.py` — `SGD` with `momentum`: the optimizer of the large-batch runs (its

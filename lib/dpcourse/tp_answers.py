@@ -14,7 +14,8 @@ import torch
 
 from dpcourse.checks import claim
 
-__all__ = ["saved_by_linear", "linear_saves_weight", "activation_all_reduce", "tp_passes",
+__all__ = ["saved_by_linear", "linear_saves_weight", "whole_weights_referenced",
+           "activation_all_reduce", "tp_passes",
            "tp_messages_weighed", "torch_sends_what_we_send", "torch_placements",
            "torch_tp_redistributions", "sp_collectives", "mesh_traffic", "planner_per_layer",
            "planner_tp_columns"]
@@ -40,6 +41,19 @@ def linear_saves_weight(data) -> None:
     claim(f"a Linear saves its 48 × 48 weight only when its input requires a gradient: "
           f"{as_data} for data, {as_leaf} for an input that requires one",
           (48, 48) not in as_data and (48, 48) in as_leaf)
+
+
+def whole_weights_referenced(held) -> None:
+    """Prints the bytes autograd referenced besides the activations in
+    ``tensor_parallel.activation_memory_worker``'s runs (``held``: per rank count, each rank's
+    result) and claims they are three whole 48 × 48 fp32 weights of the four.
+
+    Shown in lesson 11, §1."""
+    print("saved besides the activations:", {n: rs[0]["other_saved"] for n, rs in held.items()},
+          "bytes referenced")
+    claim("the whole weights autograd references are three of the four 48 × 48 fp32 weights, "
+          "at N = 2 and 4", all(r["other_saved"] == 3 * 48 * 48 * 4
+                                for rs in held.values() for r in rs))
 
 
 def activation_all_reduce(cfg) -> tuple:
