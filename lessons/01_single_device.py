@@ -229,7 +229,7 @@ print(f"Throughput from epoch to epoch varied by {spread:.2f}x"
 # 1. A bigger batch gives the hardware bigger matrices per step and fewer Python round trips
 #    per sample, which pays off until the hardware is saturated; from there the rate stays
 #    flat. Where that point lies depends on the hardware: a GPU usually needs large batches, a
-#    CPU fewer; the run below says where it lay here.
+#    CPU fewer; the run below shows whether these rounds can tell where it lay here.
 # 2. A bigger batch can also be *slower*: its intermediate tensors grow with it, and once they
 #    no longer fit in the processor's caches every layer reads and writes main memory.
 #
@@ -564,7 +564,8 @@ claim("in float16, 2**-24 (6.0e-08) survives as a subnormal, with one significan
 # are safer in float32. On the CPU `cross_entropy` itself is on it; CUDA's list lacks it but has
 # its last step, `nll_loss`, so the loss ends in float32 there too. Either
 # way, only *inside* the `autocast` block. Compute the loss after the block, from 16-bit
-# logits, and it is 16-bit too. So put the loss inside (the cell checks it on this device):
+# logits, and it is 16-bit too. So put the loss inside (the cell checks the loss's dtype on
+# this device):
 
 # %%
 with train.autocast_for(device, enabled=True):

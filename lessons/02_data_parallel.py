@@ -179,8 +179,8 @@ moved = (bn.running_mean - before).abs().max().item()
 gap = (bn.running_mean - bn_whole.running_mean).abs().max().item()
 print(f"largest change of the module's running mean: {moved:.4f}; largest difference from the "
       f"whole batch's: {gap:.4f}")
-claim("after one DataParallel forward, a replica's BatchNorm update came back to the module: its "
-      "running mean moved, and it is not the whole batch's", moved > 1e-4 and gap > 1e-4,
+claim("after one DataParallel forward, the module's running mean moved, and it is not the "
+      "whole batch's", moved > 1e-4 and gap > 1e-4,
       moved=moved, gap=gap)
 
 # %% [markdown]

@@ -1079,8 +1079,8 @@ claim("ranks on different epochs: their shards overlap, so some samples are read
 # multiplication by the reciprocal of the world size; then the bucket goes to one all-reduce
 # with SUM. Lesson 07's reference answer to its lab 07 tables every case (a gradient that
 # already is its bucket's view, a comm hook, `zero_grad`'s part) and measures the views. One
-# case only this lesson claims: with `batched_grad_copy=True` (default `False`) the bucket's
-# copies are batched and the flat bucket divided once when it is full.
+# case only this lesson names, read in DDP's docstring, not run: with `batched_grad_copy=True`
+# (default `False`) the bucket's copies are batched and the flat bucket divided once when full.
 #
 # With 2 ranks the order cannot show: 1/2 is exact in binary, so multiplying by it, or dividing
 # by 2 before or after the sum, gives the same bits (barring underflow). With 3 ranks float32's

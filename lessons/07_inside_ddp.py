@@ -412,8 +412,9 @@ viz.show(viz.reducer_figure(),
 
 # %% [markdown]
 # - **In-order launch.** The reducer launches its buckets **strictly in bucket order**: a bucket
-#   complete before the ones ahead of it waits for them. So the i-th all-reduce of every rank
-#   is the same bucket. Our class launches as buckets fill: safe here only because every rank
+#   complete before the ones ahead of it waits for them, and every rank holds rank 0's bucket
+#   layout (broadcast when the buckets are rebuilt). So the i-th all-reduce of every rank is
+#   the same bucket. Our class launches as buckets fill: safe here only because every rank
 #   runs the same backward in the same order. When do buckets fill out of order? Ours, and
 #   DDP's with `find_unused_parameters=True` (from registration order, never rebuilt): when a
 #   layer is registered before one it follows. DDP's default ones, rebuilt once from the first

@@ -62,7 +62,7 @@ print(f"this lesson: {world_size} ranks over {backend}")
 # *Mixed precision*: the model computes in a 2-byte float format (fp16 or bf16) while the
 # optimizer updates a 4-byte fp32 *master copy* of the weights, so that small updates are not
 # lost to rounding. Adam keeps two numbers per parameter, a running mean of its gradients
-# (momentum) and of their squares (variance). Train in mixed precision with Adam and every
+# (momentum) and of their squares ("variance", uncentered). Train in mixed precision with Adam and every
 # parameter costs, on every rank:
 #
 # | what | bytes |

@@ -252,8 +252,8 @@ claim("and it trained: the test loss fell",
 # %% [markdown]
 # **What does not waiting buy?** The last run's straggler slept 2 ms: too little to see. Now a
 # bigger one: two workers, the second sleeping 50 ms per gradient (`time.sleep`). A sleeping
-# process frees its core; a busy straggler would share the 2 cores with the others, and the
-# gain could be smaller. Each mode gets the same **1 second of wall-clock time** to start work
+# process frees its core; a busy straggler would share this machine's cores with the others
+# (printed below), and the gain could be smaller. Each mode gets the same **1 second of wall-clock time** to start work
 # in (what is in flight then still lands: both end a little later, in the folded output
 # below). Synchronous, every round waits for the straggler; asynchronous, the fast
 # worker pulls, computes and pushes on its own. Each worker records when it computes, when it

@@ -931,8 +931,8 @@ claim("fixed: no path has two writers",
 # `MASTER_PORT=29500` hard-coded, and a previous run (or another user) still holds it: rank 0
 # cannot start the rendezvous store. The detector `port_owner` says whether a port is free and,
 # where the OS allows, which process listens on it. Fix: a free port per launch (what
-# `launch.spawn` does; on one machine `torchrun` picks one too when given no endpoint and no
-# master port, `--standalone` or not), or stop the squatter.
+# `launch.spawn` does; `torchrun --standalone` picks one too, and so does plain torchrun on one
+# node given no endpoint, no master port and no rendezvous backend), or stop the squatter.
 
 # %%
 viz.show_code(bugzoo.port_in_use, detectors.port_owner)

@@ -568,8 +568,8 @@ viz.show_code(tp_answers.tp_messages_weighed,
 pub1 = planner.MEGATRON_TABLE1_145B
 m_pub = pub1["global_batch"] // pub1["dp"]
 print(f"section 5's published run: {pub1['global_batch']} sequences per step over "
-      f"D = {pub1['dp']} data-parallel replicas = {m_pub} micro-batches of one sequence each, "
-      "per replica and step")
+      f"D = {pub1['dp']} data-parallel replicas = {m_pub} micro-batches of one sequence each "
+      "(the planner's micro-batch; the paper's table gives none), per replica and step")
 
 # %% [markdown]
 # What those micro-batches do to the bytes is in the fold "Tensor parallelism's messages
