@@ -247,7 +247,7 @@ claim("and cloudpickle is what spawn sends: launch.spawn pickles (fn, args, kwar
       and "cloudpickle.loads(payload)" in inspect.getsource(launch.worker_entry))
 
 # %% [markdown]
-# (Running on GPUs? The optional appendix "NCCL and GPUs", after Check yourself, is for you.)
+# (Running on GPUs? The optional appendix "NCCL and GPUs", before the Summary, is for you.)
 
 # %% [markdown]
 # **When a rank fails.** Here rank 1 raises while rank 0 is busy for 30 s. `spawn` stops rank 0,
@@ -339,34 +339,6 @@ claim("torch.distributed.constants.default_pg_timeout is 30 minutes",
 # %% jupyter={"source_hidden": true, "outputs_hidden": true}
 viz.show_code(launch.spawn, launch.kill_tree, launch.wait_for_ranks, launch.worker_entry,
               folded="▶ launch.spawn, kill_tree, wait_for_ranks and worker_entry")
-
-# %% [markdown]
-# ## Summary
-#
-# - Lessons prove what they say: every ✔ line is a claim computed on this run, and what they
-#   could only read in torch's source is marked so and cited; labs check your code and name
-#   your mistake in one sentence.
-# - `dpcourse.devices` picks one of three profiles (`cpu`, `one-gpu`, `multi-gpu`); the lessons
-#   are written to give the same checked results on each, and NCCL is used only when every
-#   rank owns a GPU. The stored outputs come from the `cpu` profile; the multi-GPU path's tests
-#   have not yet been run on a multi-GPU machine.
-# - `dpcourse.launch.spawn` runs ranks from a notebook: results come back in rank order, a
-#   crash or a hang becomes one clear error, and nothing is left running.
-# - Every lesson from 01 on has a *parameters* cell, so it can be re-run at a bigger scale with
-#   [papermill](https://papermill.readthedocs.io) without editing it, e.g.
-#   `papermill lessons/01_single_device.ipynb out.ipynb -p dataset cifar10 -p epochs 10`.
-#
-# Next: open `01_single_device.ipynb`.
-#
-# ## Check yourself
-#
-# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
-# where the answers are folded).
-
-# %% jupyter={"source_hidden": true}
-from dpcourse import quizzes, viz
-
-viz.quiz(quizzes.questions("00"))
 
 # %% [markdown]
 # ## Appendix: NCCL and GPUs (optional)
@@ -505,6 +477,34 @@ with viz.folded_output("▶ The third run"):
     claim("a group made with the device:backend string 'cpu:gloo' sends CPU tensors through "
           "gloo (ProcessGroupGloo) on both ranks, and all_reduce gave 1 + 2",
           per_device == [("cpu:gloo", "ProcessGroupGloo", 3.0)] * 2, per_device=per_device)
+
+# %% [markdown]
+# ## Summary
+#
+# - Lessons prove what they say: every ✔ line is a claim computed on this run, and what they
+#   could only read in torch's source is marked so and cited; labs check your code and name
+#   your mistake in one sentence.
+# - `dpcourse.devices` picks one of three profiles (`cpu`, `one-gpu`, `multi-gpu`); the lessons
+#   are written to give the same checked results on each, and NCCL is used only when every
+#   rank owns a GPU. The stored outputs come from the `cpu` profile; the multi-GPU path's tests
+#   have not yet been run on a multi-GPU machine.
+# - `dpcourse.launch.spawn` runs ranks from a notebook: results come back in rank order, a
+#   crash or a hang becomes one clear error, and nothing is left running.
+# - Every lesson from 01 on has a *parameters* cell, so it can be re-run at a bigger scale with
+#   [papermill](https://papermill.readthedocs.io) without editing it, e.g.
+#   `papermill lessons/01_single_device.ipynb out.ipynb -p dataset cifar10 -p epochs 10`.
+#
+# Next: open `01_single_device.ipynb`.
+#
+# ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
+
+# %% jupyter={"source_hidden": true}
+from dpcourse import quizzes, viz
+
+viz.quiz(quizzes.questions("00"))
 
 # %% [markdown]
 # **▶ For maintainers and the curious: where the course has run, and how its outputs are

@@ -1131,49 +1131,6 @@ with viz.folded_output(
           < 1e-6)
 
 # %% [markdown]
-# ## Summary
-#
-# - DDP runs one process per device; the processes meet at a rendezvous and talk through
-#   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
-# - Every rank ending each backward with the average of the ranks' gradients (lab 03; DDP's way
-#   of computing it is in "The reducer's arithmetic") makes each rank's step the
-#   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
-#   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
-#   as every shard's mean loss divides by the same count (equal shards, no padding skipped
-#   unevenly), no layer couples the samples of a batch (training-mode BatchNorm does) and the
-#   forward draws nothing at random (dropout, even seeded alike, gives a valid stochastic
-#   gradient, not the same numbers; `SmallCNN`'s is 0 here).
-# - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
-#   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
-#   not known yet; with `static_graph=True` the first two iterations do), unless
-#   `find_unused_parameters=True` without `static_graph`, or `bucket_cap_mb_list`; afterwards
-#   the buckets follow the order the gradients arrived, rank 0's assignment on every rank, and
-#   let communication overlap the backward (what that buys, lesson 07 measures).
-# - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
-#   can end several times the cap; how DDP groups them is lesson 07's.
-# - Before the first forward, and before each forward whose previous forward ran with gradients
-#   enabled and outside `no_sync()` (in `train()` or `eval()` mode alike), DDP broadcasts
-#   rank 0's buffers (`forward_sync_buffers=True`; outside `Join`): every rank evaluates
-#   with rank 0's BatchNorm statistics, which come from rank 0's shards only. A forward that
-#   follows one under `no_grad` or `no_sync()` starts from each rank's own.
-# - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch, on every
-#   rank: forgotten everywhere, every epoch repeats the same order; called on some ranks only,
-#   the shards overlap.
-#
-# Next, lesson 04 turns this into the script you would really run: `torchrun`, checkpoints
-# from rank 0, evaluation, `SyncBatchNorm`.
-#
-# ## Check yourself
-#
-# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
-# where the answers are folded).
-
-# %% jupyter={"source_hidden": true}
-from dpcourse import quizzes
-
-viz.quiz(quizzes.questions("03"))
-
-# %% [markdown]
 # ## Appendix: names in torch's compiled libraries
 # ### The reducer's scaled copy and batched path
 
@@ -1241,6 +1198,49 @@ claim("this torch's gloo can make its TCP transport and has no ibverbs one (libt
       "names makeTCPDevice, neither makeIBVerbsDevice nor TORCH_GLOO_IBV_NAME)",
       transports == {"makeTCPDevice": True, "makeIBVerbsDevice": False,
                      "TORCH_GLOO_IBV_NAME": False}, found=transports)
+
+# %% [markdown]
+# ## Summary
+#
+# - DDP runs one process per device; the processes meet at a rendezvous and talk through
+#   collectives (broadcast, all_reduce, all_gather, reduce_scatter) that every rank must call.
+# - Every rank ending each backward with the average of the ranks' gradients (lab 03; DDP's way
+#   of computing it is in "The reducer's arithmetic") makes each rank's step the
+#   step of one process on the global batch — equal to 1e-5 here (on 2 and on 3 ranks), and
+#   bit-for-bit equal across the ranks (the all-reduce hands each the same bytes) — as long
+#   as every shard's mean loss divides by the same count (equal shards, no padding skipped
+#   unevenly), no layer couples the samples of a batch (training-mode BatchNorm does) and the
+#   forward draws nothing at random (dropout, even seeded alike, gives a valid stochastic
+#   gradient, not the same numbers; `SmallCNN`'s is 0 here).
+# - `DDP(model)` broadcasts rank 0's weights once, then its reducer all-reduces gradients in
+#   buckets from inside `backward()`. The first iteration uses one bucket (the gradient order is
+#   not known yet; with `static_graph=True` the first two iterations do), unless
+#   `find_unused_parameters=True` without `static_graph`, or `bucket_cap_mb_list`; afterwards
+#   the buckets follow the order the gradients arrived, rank 0's assignment on every rank, and
+#   let communication overlap the backward (what that buys, lesson 07 measures).
+# - `bucket_cap_mb` is in MiB and is not a ceiling: a gradient is never split, and a bucket
+#   can end several times the cap; how DDP groups them is lesson 07's.
+# - Before the first forward, and before each forward whose previous forward ran with gradients
+#   enabled and outside `no_sync()` (in `train()` or `eval()` mode alike), DDP broadcasts
+#   rank 0's buffers (`forward_sync_buffers=True`; outside `Join`): every rank evaluates
+#   with rank 0's BatchNorm statistics, which come from rank 0's shards only. A forward that
+#   follows one under `no_grad` or `no_sync()` starts from each rank's own.
+# - `DistributedSampler` gives each rank a disjoint shard; call `set_epoch` every epoch, on every
+#   rank: forgotten everywhere, every epoch repeats the same order; called on some ranks only,
+#   the shards overlap.
+#
+# Next, lesson 04 turns this into the script you would really run: `torchrun`, checkpoints
+# from rank 0, evaluation, `SyncBatchNorm`.
+#
+# ## Check yourself
+#
+# **▶ The quiz** — run the folded cell below and answer in the widget (or read its output,
+# where the answers are folded).
+
+# %% jupyter={"source_hidden": true}
+from dpcourse import quizzes
+
+viz.quiz(quizzes.questions("03"))
 
 # %% [markdown]
 # ## Sources
